@@ -1,0 +1,212 @@
+"""`impc`: compile a checkpoint into a bundle, run it, inspect it (and serve/bench where built)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _add_compile(sub) -> None:
+    p = sub.add_parser("compile", help="compile a checkpoint into a bundle",
+                       description="Read a checkpoint, quantize it, plan GPU memory, emit kernels, write a bundle.")
+    p.add_argument("model", help="a .gguf file, a Hugging Face folder, or the name 'smollm2'")
+    p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
+    p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="linear weights' format (default nvfp4)")
+    p.add_argument("--quant-embed", action="store_true", help="store the embedding table in NVFP4 too (default bf16)")
+    p.add_argument("--quant-head", action="store_true", help="store an untied output head in NVFP4 too (default bf16)")
+    p.add_argument("--target", default=None,
+                   help="GPU targets, comma-separated (default sm_90a,sm_120a); 'none' for a cpu-only bundle")
+    p.add_argument("--vram", type=float, default=None, metavar="GiB",
+                   help="GPU memory to plan for (default: the target's, sm_90a 141, sm_120a 32)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="longest sequence in tokens (default: the model's, at most 32768)")
+    p.add_argument("--max-batch", type=int, default=64, metavar="N", help="most sequences decoded at once (default 64)")
+    p.add_argument("--name", default=None, help="model name the bundle serves under (default: the folder name)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+
+def _add_sampling(p) -> None:
+    p.add_argument("--max-tokens", type=int, default=512, metavar="N")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the bundle's or 0.7)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate from a bundle in the terminal",
+                       description="Render the chat template, generate, and stream tokens as they come. "
+                                   "Without --prompt: an interactive chat.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--prompt", default=None, help="one user message; omit for an interactive chat")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    p.add_argument("--stats", action="store_true", help="print tokens/s after each answer")
+    _add_sampling(p)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a bundle",
+                       description="Model, dimensions, quantization and its error, memory plan, targets, kernels, hashes.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--json", action="store_true", help="print the whole manifest")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="impc", description="imp: an LLM inference engine built like a compiler.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_compile(sub)
+    _add_run(sub)
+    _add_inspect(sub)
+    for extra in ("impc.cli_serve", "impc.cli_bench"):     # commands from later stages, where present
+        try:
+            __import__(extra, fromlist=["add_parser"]).add_parser(sub)
+        except ImportError:
+            pass
+    return ap
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_compile(a) -> int:
+    from impc.compile import CompileOptions, compile_model
+    from impc.progress import Progress
+
+    opts = CompileOptions(model=a.model, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
+                          quant_head=a.quant_head, targets=a.target, vram_gib=a.vram, max_context=a.max_context,
+                          max_batch=a.max_batch, name=a.name)
+    compile_model(opts, Progress(quiet=a.quiet))
+    if not a.quiet:
+        print(f"bundle written to {a.output}", file=sys.stderr)
+    return 0
+
+
+def sampling_params(a, engine):
+    from imp_runtime.sampler import SamplingParams
+
+    d = engine.generation_defaults
+    pick = lambda v, key, default: v if v is not None else d.get(key, default)  # noqa: E731
+    return SamplingParams(max_tokens=a.max_tokens, temperature=pick(a.temperature, "temperature", 0.7),
+                          top_p=pick(a.top_p, "top_p", 1.0), top_k=pick(a.top_k, "top_k", 0),
+                          min_p=pick(a.min_p, "min_p", 0.0),
+                          repetition_penalty=pick(a.repetition_penalty, "repetition_penalty", 1.0),
+                          seed=a.seed, stop=a.stop)
+
+
+def _answer(engine, ids: list[int], params, stats: bool) -> str:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    parts = []
+    for ev in engine.generate(ids, params):
+        if first is None:
+            first = time.perf_counter()
+        n += 1
+        parts.append(ev.text)
+        print(ev.text, end="", flush=True)
+    print()
+    if stats and first is not None:
+        t1 = time.perf_counter()
+        rate = (n - 1) / (t1 - first) if n > 1 else 0.0
+        print(f"[{len(ids)} prompt tokens, {n} generated; first token {1000 * (first - t0):.0f} ms, "
+              f"{rate:.1f} tok/s after it; {engine.executor.name} executor]", file=sys.stderr)
+    return "".join(parts)
+
+
+def cmd_run(a) -> int:
+    from imp_runtime.engine import Engine
+
+    engine = Engine(a.bundle, device=a.device)
+    params = sampling_params(a, engine)
+    history: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    if a.prompt is not None:
+        ids = engine.tokenizer.encode(a.prompt) if a.raw else engine.encode_chat(history + [{"role": "user", "content": a.prompt}])
+        _answer(engine, ids, params, a.stats)
+        return 0
+    print(f"imp chat with {engine.name} ({engine.executor.name} executor); empty line or Ctrl-D to quit",
+          file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not text.strip():
+            return 0
+        history.append({"role": "user", "content": text})
+        reply = _answer(engine, engine.encode_chat(history), params, a.stats)
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_inspect(a) -> int:
+    import json
+
+    from imp_runtime.bundle import load_bundle
+    from impc.plan import describe
+
+    b = load_bundle(a.bundle)
+    m = b.manifest
+    if a.json:
+        print(json.dumps(m, indent=1, sort_keys=True))
+        return 0
+    s = b.spec
+    print(f"bundle   {a.bundle}  (name {m['name']}, format {m['format_version']})")
+    print(f"model    {s.family}: {s.n_layers} layers, hidden {s.hidden}, heads {s.n_heads}/{s.n_kv_heads} x {s.head_dim}, "
+          f"ffn {s.intermediate}, vocab {s.vocab_size}, {s.n_params() / 1e6:.1f}M params")
+    print(f"         rope theta {s.rope_theta:g} ({s.rope_scaling.kind}), tied {s.tie_embeddings}, qkv bias {s.qkv_bias}, "
+          f"qk norm {s.qk_norm}, activation {s.activation}, sliding window {s.sliding_window or 'none'}")
+    q = m["quantization"]
+    by_fmt: dict[str, list] = {}
+    for name, e in q["tensors"].items():
+        by_fmt.setdefault(e["format"], []).append(e)
+    print(f"quant    {q['mode']} (embed {q['embed']}, head {q['lm_head']}): " +
+          ", ".join(f"{len(v)} {k}" for k, v in sorted(by_fmt.items())))
+    for fmt in ("nvfp4", "bf16"):
+        errs = [e["rel_rms"] for e in by_fmt.get(fmt, [])]
+        if errs:
+            print(f"         {fmt} error ||W-Q||/||W||: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
+    for line in describe(m["plan"]):
+        print(f"plan     {line}")
+    k = m["kernels"]
+    print(f"targets  {', '.join(k['targets']) or 'none (cpu only)'}")
+    for t in k["targets"]:
+        print(f"kernels  {t}: {', '.join(k['functions'][t])}")
+    for rel, digest in sorted(m["files"].items()):
+        size = (b.path / rel).stat().st_size
+        print(f"file     {rel:28s} {size / 2**20:9.2f} MiB  sha256 {digest[:16]}")
+    print(f"build    imp {m['build']['imp_version']}, source {m['build']['source']} "
+          f"(sha256 {m['build']['checkpoint_sha256'][:16]}), nvcc {(m['build']['compiler'] or {}).get('nvcc', '-')}")
+    return 0
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "inspect": cmd_inspect}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from impc.checkpoint import CompileError
+    from imp_runtime.bundle import BundleError
+    from imp_runtime.chat_template import TemplateError
+    from imp_runtime.engine import RequestError
+
+    args = build_parser().parse_args(argv)
+    handler = COMMANDS.get(args.command) or args.handler
+    try:
+        return handler(args)
+    except (CompileError, BundleError, RequestError, TemplateError) as e:
+        print(f"impc {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""`impc compile`: the pipeline, stage by stage: load -> spec -> quantize -> plan -> emit -> bundle."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from impc import __version__
+from impc.checkpoint import CompileError, load_checkpoint
+from impc.emit import compiler_record, emit, template_hashes
+from impc.families import family_for
+from impc.plan import describe, plan_memory
+from impc.progress import Progress
+from impc.quantize import measure_error, quantize_nvfp4
+from impc.targets import parse_targets
+from impc.write_bundle import check_output_dir, write_bundle
+from imp_runtime.spec import ModelSpec, is_linear
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class CompileOptions:
+    model: str
+    out: Path
+    quant: str = "nvfp4"             # nvfp4 | bf16
+    quant_embed: bool = False        # NVFP4 for the embedding table too
+    quant_head: bool = False         # NVFP4 for an untied output head too
+    targets: str | None = None       # "sm_90a,sm_120a" (default both) or "none"
+    vram_gib: float | None = None
+    max_context: int | None = None
+    max_batch: int = 64
+    name: str | None = None
+
+
+def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
+    """Which stored format each canonical tensor gets. Norms and biases stay float32; the embedding
+    and the head stay bf16 unless asked (they cost the most quality per byte saved)."""
+    if opts.quant not in ("nvfp4", "bf16"):
+        raise CompileError(f"--quant {opts.quant}: choose nvfp4 or bf16")
+    formats = {}
+    for name in spec.tensor_shapes():
+        if not is_linear(name):
+            formats[name] = "f32"
+        elif opts.quant == "bf16":
+            formats[name] = "bf16"
+        elif name == "embed":
+            formats[name] = "nvfp4" if opts.quant_embed else "bf16"
+        elif name == "lm_head":
+            formats[name] = "nvfp4" if opts.quant_head else "bf16"
+        else:
+            formats[name] = "nvfp4"
+    return formats
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, round to nearest even (as torch does)."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dict:
+    p = progress or Progress(quiet=True)
+    out = Path(opts.out)
+    check_output_dir(out)
+
+    p.stage(f"load {opts.model}")
+    ck = load_checkpoint(opts.model)
+    family = family_for(ck.config)
+    spec = family.spec(ck.config)
+    p.info(f"{spec.family}: {spec.n_layers} layers, hidden {spec.hidden}, heads {spec.n_heads}/{spec.n_kv_heads}, "
+           f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e6:.1f}M parameters")
+
+    formats = tensor_formats(spec, opts)
+    targets = parse_targets(opts.targets)
+    p.stage("plan memory")
+    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch)
+    for line in describe(plan):
+        p.info(line)
+
+    p.stage(f"quantize ({opts.quant})")
+    shapes = spec.tensor_shapes()
+    arrays: dict[str, np.ndarray] = {}
+    quant: dict[str, dict] = {}
+    for i, (name, w) in enumerate(family.tensors(spec, ck), 1):
+        if tuple(w.shape) != shapes[name]:
+            raise CompileError(f"tensor {name} has shape {tuple(w.shape)}, the config implies {shapes[name]}")
+        fmt = formats[name]
+        entry: dict = {"format": fmt, "shape": list(w.shape)}
+        if fmt == "nvfp4":
+            q = quantize_nvfp4(w)
+            arrays[name + ".codes"], arrays[name + ".scales"], arrays[name + ".tscale"] = q.codes, q.scales, q.tscale
+            err = measure_error(w, q.dequantize())
+            entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
+        elif fmt == "bf16":
+            arrays[name] = to_bf16_bits(w)
+            err = measure_error(w, (arrays[name].astype(np.uint32) << 16).view(np.float32))
+            entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
+        else:
+            arrays[name] = np.ascontiguousarray(w, dtype=np.float32)
+        quant[name] = entry
+        p.count("tensors", i, len(shapes))
+    missing = set(shapes) - set(quant)
+    if missing:
+        raise CompileError(f"checkpoint lacks tensors for {sorted(missing)[:3]}")
+    errs = [e["rel_rms"] for e in quant.values() if e["format"] == "nvfp4"]
+    if errs:
+        p.info(f"NVFP4 error ||W-Q||/||W||: mean {np.mean(errs):.4f}, max {np.max(errs):.4f} over {len(errs)} tensors")
+
+    p.stage(f"emit kernels for {', '.join(t['name'] for t in targets) or 'no GPU target (cpu only)'}")
+    emitted = emit(spec, targets, plan)
+    for e in emitted:
+        p.info(f"{e.target}: {len(e.kernels)} kernels, {len(e.cubin) / 1024:.0f} KiB{' (cached)' if e.cached else ''}")
+
+    p.stage(f"write {out}")
+    gen = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
+    texts = {"tokenizer.json": ck.tokenizer_json}
+    if ck.chat_template:
+        texts["chat_template.jinja"] = ck.chat_template
+    manifest = {
+        "name": opts.name or out.name,
+        "model": spec.to_dict(),
+        "quantization": {"mode": opts.quant, "embed": formats["embed"],
+                         "lm_head": formats.get("lm_head", "tied"), "tensors": quant},
+        "tokenizer": {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if ck.chat_template else None,
+                      **ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos},
+        "generation": gen,
+        "plan": plan,
+        "kernels": {"targets": [e.target for e in emitted],
+                    "cubins": {e.target: f"kernels/{e.target}.cubin" for e in emitted},
+                    "functions": {e.target: e.kernels for e in emitted}},
+        "build": {"imp_version": __version__, "source": Path(ck.path).name, "checkpoint_sha256": ck.source_hash(),
+                  "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
+                              "targets": [t["name"] for t in targets], "vram_gib": opts.vram_gib,
+                              "max_context": opts.max_context, "max_batch": opts.max_batch},
+                  "compiler": compiler_record() if emitted else None,
+                  "templates": template_hashes()},
+    }
+    write_bundle(out, manifest, arrays, texts, {f"kernels/{e.target}.cubin": e.cubin for e in emitted})
+    p.stage("done")
+    return manifest

@@ -1,0 +1,120 @@
+"""Stage 5: emit. Render templates/*.cu.j2 with the model's dimensions and the target's choices as
+compile-time constants, and compile them with nvcc (from PyPI wheels; no CUDA toolkit on the host)
+into one cubin per target. Cubins are cached by the hash of (source, flags, nvcc version).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from impc.checkpoint import CompileError
+from imp_runtime.spec import ModelSpec
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+# SASS only, never PTX: a newer PTX may not JIT on an older driver.
+NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
+KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)')
+
+
+@dataclass
+class Emitted:
+    target: str
+    cubin: bytes
+    source: str
+    kernels: list[str]
+    cached: bool
+
+
+def nvcc_path() -> Path:
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in ([Path(p) for p in nvidia.__path__] if nvidia else []):
+        for sub in ("cu13/bin/nvcc", "cuda_nvcc/bin/nvcc"):
+            if (root / sub).is_file():
+                return root / sub
+    raise CompileError("nvcc not found: install the compiler wheels with `pip install -e '.[compile]'` "
+                       "(or pass --target none for a cpu-only bundle)")
+
+
+def nvcc_version(nvcc: Path) -> str:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release [\d.]+, (V[\d.]+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("IMP_CACHE_DIR") or Path.home() / ".cache" / "imp" / "kernels")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def template_files() -> list[Path]:
+    return sorted(TEMPLATES_DIR.glob("*.cu.j2"))
+
+
+def template_hashes() -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(TEMPLATES_DIR.glob("*.j2"))}
+
+
+def render(spec: ModelSpec, target: dict, plan: dict) -> str:
+    """One translation unit: the common prelude, then every kernel family, each specialised."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    ctx = {"spec": spec, "target": target, "plan": plan,
+           "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)]}
+    parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
+    for path in template_files():
+        parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))
+    return "\n".join(parts)
+
+
+def compile_cubin(source: str, target: dict, nvcc: Path, version: str) -> tuple[bytes, bool]:
+    flags = NVCC_FLAGS + [target["nvcc_arch"]]
+    key = hashlib.sha256("\0".join([source, " ".join(flags), version]).encode()).hexdigest()
+    cached = cache_dir() / f"{key}.cubin"
+    if cached.is_file():
+        return cached.read_bytes(), True
+    if shutil.which("gcc") is None and shutil.which("g++") is None:
+        raise CompileError("nvcc needs a host C++ compiler on PATH (install gcc/g++)")
+    with tempfile.TemporaryDirectory(prefix="impc-") as tmp:
+        # A fixed file name keeps the cubin independent of the temporary folder.
+        src = Path(tmp) / "kernels.cu"
+        src.write_text(source)
+        proc = subprocess.run([str(nvcc), *flags, "-o", "kernels.cubin", "kernels.cu"], cwd=tmp,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CompileError(f"nvcc failed for {target['name']}:\n{proc.stderr[-4000:]}")
+        data = (Path(tmp) / "kernels.cubin").read_bytes()
+    tmp_path = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp_path.write_bytes(data)
+    tmp_path.replace(cached)            # atomic: parallel builds never see half a cubin
+    return data, False
+
+
+def emit(spec: ModelSpec, targets: list[dict], plan: dict) -> list[Emitted]:
+    if not targets:
+        return []
+    nvcc = nvcc_path()
+    version = nvcc_version(nvcc)
+    sources = {t["name"]: render(spec, t, plan) for t in targets}
+    with ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda t: compile_cubin(sources[t["name"]], t, nvcc, version), targets))
+    return [Emitted(t["name"], cubin, sources[t["name"]], KERNEL_RE.findall(sources[t["name"]]), cached)
+            for t, (cubin, cached) in zip(targets, results)]
+
+
+def compiler_record() -> dict:
+    nvcc = nvcc_path()
+    return {"nvcc": nvcc_version(nvcc), "nvcc_flags": NVCC_FLAGS, "python": sys.version.split()[0]}

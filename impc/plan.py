@@ -1,0 +1,97 @@
+"""Stage 4: plan GPU memory for each target: weights, the paged KV cache, scratch, graph buckets.
+
+Everything the cuda executor allocates is decided here, at compile time, so serving allocates
+nothing. A model that cannot hold one full-context sequence on a target is refused with the
+forecast and what to change, before anything is written.
+"""
+from __future__ import annotations
+
+import math
+
+from impc.checkpoint import CompileError
+from imp_runtime.nvfp4 import BLOCK, padded_k
+from imp_runtime.spec import ModelSpec
+
+GiB = 1 << 30
+KV_BYTES = 2                 # the KV cache is bf16
+RESERVE_BYTES = 1 * GiB      # CUDA context, cubin, graph pools, allocator slack
+KV_FRACTION = 0.90           # of what is left after weights, scratch and reserve
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def tensor_bytes(shape: tuple[int, ...], fmt: str) -> int:
+    if fmt == "nvfp4":
+        n, k = shape
+        kp = padded_k(k)
+        return n * kp // 2 + n * kp // BLOCK + 4
+    return math.prod(shape) * (2 if fmt == "bf16" else 4)
+
+
+def weights_bytes(spec: ModelSpec, formats: dict[str, str]) -> int:
+    return sum(tensor_bytes(shape, formats[name]) for name, shape in spec.tensor_shapes().items())
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    return 2 * spec.n_layers * spec.kv_dim * KV_BYTES
+
+
+def scratch_bytes(spec: ModelSpec, chunk: int, max_batch: int) -> int:
+    """Activations of the widest step: a prefill chunk or a full decode batch, plus logits."""
+    rows = max(chunk, max_batch)
+    widest = max(spec.q_dim + 2 * spec.kv_dim, 2 * spec.intermediate, spec.hidden)
+    activations = rows * (widest + 3 * spec.hidden) * 4            # float32 residual + bf16 buffers
+    logits = max_batch * spec.vocab_size * 4
+    attn_split = max_batch * spec.n_heads * 64 * (spec.head_dim + 2) * 4   # split-K partials
+    return activations + logits + attn_split
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
+                max_context: int | None, max_batch: int) -> dict:
+    if max_batch < 1:
+        raise CompileError("--max-batch must be at least 1")
+    ctx = max_context or min(spec.max_position, 32768)
+    if ctx < 1:
+        raise CompileError("--max-context must be at least 1")
+    if ctx > spec.max_position:
+        raise CompileError(f"--max-context {ctx} exceeds the model's {spec.max_position} positions")
+    w_bytes = weights_bytes(spec, formats)
+    kv_tok = kv_bytes_per_token(spec)
+    plan = {"max_context": ctx, "max_batch": max_batch, "weights_bytes": w_bytes,
+            "kv_bytes_per_token": kv_tok,
+            "graph_buckets": [b for b in GRAPH_BUCKETS if b <= max_batch] or [1],
+            "targets": {}}
+    for t in targets:
+        vram = int((vram_gib if vram_gib is not None else t["vram_gib"]) * GiB)
+        page = t["page_size"]
+        chunk = min(t["prefill_chunk"], ctx)
+        scratch = scratch_bytes(spec, chunk, max_batch)
+        free = vram - w_bytes - scratch - RESERVE_BYTES
+        page_bytes = page * kv_tok
+        pages = int(max(free, 0) * KV_FRACTION) // page_bytes
+        need_pages = math.ceil(ctx / page)
+        if pages < need_pages:
+            need = w_bytes + scratch + RESERVE_BYTES + need_pages * page_bytes / KV_FRACTION
+            raise CompileError(
+                f"model does not fit {t['name']}: needs {fmt_gib(need)} (weights {fmt_gib(w_bytes)}, "
+                f"KV for one {ctx}-token sequence {fmt_gib(need_pages * page_bytes)}, scratch "
+                f"{fmt_gib(scratch)}, reserve {fmt_gib(RESERVE_BYTES)}), target has {fmt_gib(vram)}: "
+                f"try a smaller --max-context, --quant nvfp4, a larger --vram, or a smaller model")
+        plan["targets"][t["name"]] = {
+            "vram_bytes": vram, "page_size": page, "kv_pages": pages, "kv_bytes": pages * page_bytes,
+            "kv_tokens": pages * page, "prefill_chunk": chunk, "scratch_bytes": scratch,
+            "reserve_bytes": RESERVE_BYTES,
+        }
+    return plan
+
+
+def describe(plan: dict) -> list[str]:
+    lines = [f"weights {fmt_gib(plan['weights_bytes'])}, KV {plan['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
+             f"context {plan['max_context']}, batch {plan['max_batch']}"]
+    for name, t in plan["targets"].items():
+        lines.append(f"{name}: {fmt_gib(t['vram_bytes'])} VRAM -> {t['kv_pages']} KV pages of {t['page_size']} "
+                     f"tokens ({t['kv_tokens']} tokens, {fmt_gib(t['kv_bytes'])}), scratch {fmt_gib(t['scratch_bytes'])}")
+    return lines

@@ -1,0 +1,88 @@
+"""Stage 3: quantize linear weights to NVFP4 (runtime/nvfp4.py documents the stored form).
+
+  s_t  = amax(|W|) / (6 * 448)                          tensor scale, float32
+  s_b  = E4M3(amax(block) / (6 * s_t)), nearest-even    one per 16 elements along K
+  q    = E2M1(W / (s_b * s_t)), nearest-even, saturating at 6
+A block whose scale is zero holds zeros. Each tensor's error is measured against its input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from imp_runtime.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, E4M3_VALUES, dequantize, padded_k
+
+# Positive finite E4M3 values in code order (codes 0..126 increase monotonically).
+_E4M3_POS = E4M3_VALUES[:127].astype(np.float64)
+# E2M1 magnitudes in code order and the midpoints between neighbours.
+_E2M1_POS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_MID = (_E2M1_POS[1:] + _E2M1_POS[:-1]) / 2
+
+
+@dataclass
+class QuantError:
+    rel_rms: float      # ||W - Q|| / ||W||
+    max_abs: float
+
+
+@dataclass
+class NVFP4Tensor:
+    codes: np.ndarray   # uint8 [N, Kp/2]
+    scales: np.ndarray  # uint8 [N, Kp/16]
+    tscale: np.ndarray  # float32 [1]
+    shape: tuple[int, int]
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self.codes, self.scales, self.tscale, self.shape[1])
+
+
+def round_e4m3(x: np.ndarray) -> np.ndarray:
+    """Non-negative values (<= 448) to E4M3 codes, round to nearest, ties to the even code."""
+    idx = np.clip(np.searchsorted(_E4M3_POS, x), 1, 126)
+    lo, hi = _E4M3_POS[idx - 1], _E4M3_POS[idx]
+    d_lo, d_hi = x - lo, hi - x
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (idx % 2 == 0))
+    code = np.where(take_hi, idx, idx - 1)
+    code = np.where(x <= 0, 0, code)
+    return code.astype(np.uint8)
+
+
+def round_e2m1(x: np.ndarray) -> np.ndarray:
+    """Values to E2M1 nibbles, round to nearest, ties to even mantissa, saturating at +-6."""
+    mag = np.minimum(np.abs(x), E2M1_MAX)
+    idx = np.searchsorted(_E2M1_MID, mag, side="left")       # mag <= mid[idx-1] goes down
+    # On an exact midpoint searchsorted(left) picks the lower code; move up where that code is odd.
+    at_mid = (idx < 7) & (mag == _E2M1_MID[np.minimum(idx, 6)])
+    idx = np.where(at_mid & (idx % 2 == 1), idx + 1, idx)
+    sign = np.where(x < 0, 8, 0)
+    return (idx + sign).astype(np.uint8)
+
+
+def quantize_nvfp4(w: np.ndarray) -> NVFP4Tensor:
+    """W [N, K] float -> NVFP4, computed in float64 so the result is independent of input dtype."""
+    w = np.asarray(w, dtype=np.float64)
+    n, k = w.shape
+    kp = padded_k(k)
+    if kp != k:
+        w = np.pad(w, ((0, 0), (0, kp - k)))
+    amax = float(np.max(np.abs(w))) if w.size else 0.0
+    tscale = np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1.0)
+    st = float(tscale)
+    blocks = w.reshape(n, kp // BLOCK, BLOCK)
+    bmax = np.max(np.abs(blocks), axis=2)
+    scales = round_e4m3(np.minimum(bmax / (E2M1_MAX * st), E4M3_MAX))
+    denom = _E4M3_POS[scales] * st                              # [N, Kp/16]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(denom[:, :, None] > 0, blocks / denom[:, :, None], 0.0)
+    q = round_e2m1(scaled).reshape(n, kp)
+    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return NVFP4Tensor(codes, scales, np.array([tscale], dtype=np.float32), (n, k))
+
+
+def measure_error(w: np.ndarray, deq: np.ndarray) -> QuantError:
+    w = np.asarray(w, dtype=np.float64)
+    diff = w - deq
+    norm = float(np.linalg.norm(w))
+    return QuantError(float(np.linalg.norm(diff)) / norm if norm else 0.0,
+                      float(np.max(np.abs(diff))) if diff.size else 0.0)

@@ -1,0 +1,82 @@
+"""Sampling on the host from one row of logits: penalties, temperature, top-k, top-p, min-p, seed.
+
+Order (as vLLM and llama.cpp do): constraint mask, penalties, then greedy or temperature -> top-k ->
+top-p -> min-p -> draw. Log-probabilities reported are of the penalised distribution at temperature 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                   # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0    # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None      # None: none; n >= 0: the chosen token's and the top n
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+        self.seen = np.asarray(sorted(set(prompt_ids)), dtype=np.int64)
+        self.out_counts: dict[int, int] = {}
+
+    def penalise(self, logits: np.ndarray) -> np.ndarray:
+        p = self.p
+        logits = logits.astype(np.float32, copy=True)
+        if p.repetition_penalty != 1.0:
+            ids = np.union1d(self.seen, np.fromiter(self.out_counts, dtype=np.int64)) if self.out_counts else self.seen
+            if ids.size:
+                v = logits[ids]
+                logits[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.out_counts:
+            ids = np.fromiter(self.out_counts, dtype=np.int64)
+            counts = np.fromiter(self.out_counts.values(), dtype=np.float32)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        return logits
+
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Pick the next token; returns it and the penalised logits (for log-probabilities)."""
+        logits = self.penalise(logits)
+        if allowed is not None:
+            logits = np.where(allowed[:logits.shape[0]], logits, -np.inf).astype(np.float32)
+        p = self.p
+        if p.temperature <= 0:
+            tok = int(np.argmax(logits))
+        else:
+            z = logits.astype(np.float64) / p.temperature
+            order = np.argsort(-z, kind="stable")
+            if p.top_k > 0:
+                order = order[:p.top_k]
+            zs = z[order]
+            probs = np.exp(zs - zs[0])
+            probs /= probs.sum()
+            keep = len(order)
+            if p.top_p < 1.0:
+                # keep the smallest prefix whose mass reaches top_p (always at least one token)
+                keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+            if p.min_p > 0.0:
+                keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+            probs = probs[:keep] / probs[:keep].sum()
+            tok = int(order[self.rng.choice(keep, p=probs)])
+        self.out_counts[tok] = self.out_counts.get(tok, 0) + 1
+        return tok, logits
