@@ -1,0 +1,148 @@
+"""Bundles: byte-identical rebuilds, clear one-line errors for damaged bundles, refusal before
+writing when the model cannot fit, and the CLI never showing a traceback."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from impc.checkpoint import CompileError
+from impc.compile import CompileOptions, compile_model
+from imp_runtime.bundle import BundleError, load_bundle
+
+
+def impc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "impc.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def tree_bytes(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_two_builds_are_byte_identical(checkpoints, tmp_path):
+    ck = checkpoints("qwen3")
+    a, b = tmp_path / "a" / "bundle", tmp_path / "b" / "bundle"   # the folder name is the model name
+    compile_model(CompileOptions(model=str(ck), out=a, targets="none"))
+    compile_model(CompileOptions(model=str(ck), out=b, targets="none"))
+    ta, tb = tree_bytes(a), tree_bytes(b)
+    assert ta.keys() == tb.keys() and {"manifest.json", "weights.safetensors", "tokenizer.json"} <= ta.keys()
+    assert all(ta[k] == tb[k] for k in ta)
+
+
+@pytest.fixture
+def bundle_copy(bundles, tmp_path):
+    import shutil
+    dst = tmp_path / "bundle"
+    shutil.copytree(bundles("llama", "nvfp4"), dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete", "manifest", "version"])
+def test_damaged_bundle_is_a_one_line_error(bundle_copy, damage):
+    weights = bundle_copy / "weights.safetensors"
+    manifest = bundle_copy / "manifest.json"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "corrupt":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "delete":
+        (bundle_copy / "tokenizer.json").unlink()
+    elif damage == "manifest":
+        manifest.write_text(manifest.read_text()[:200])
+    elif damage == "version":
+        m = json.loads(manifest.read_text())
+        m["format_version"] = 999
+        manifest.write_text(json.dumps(m))
+    with pytest.raises(BundleError):
+        load_bundle(bundle_copy)
+    r = impc("run", str(bundle_copy), "--prompt", "hi", "--max-tokens", "2")
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0]
+    expected = {"truncate": "weights.safetensors", "corrupt": "weights.safetensors", "delete": "tokenizer.json",
+                "manifest": "manifest.json", "version": "manifest.json"}[damage]
+    assert expected in lines[0]
+
+
+def test_model_too_large_is_refused_before_writing(checkpoints, tmp_path):
+    out = tmp_path / "never"
+    # A 0.001 GiB GPU cannot hold the 1 GiB runtime reserve, whatever the model.
+    with pytest.raises(CompileError, match="does not fit sm_90a"):
+        compile_model(CompileOptions(model=str(checkpoints("llama")), out=out, targets="sm_90a", vram_gib=0.001))
+    assert not out.exists()
+    r = impc("compile", str(checkpoints("llama")), "-o", str(out), "--target", "sm_90a", "--vram", "0.001")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "does not fit" in r.stderr
+    assert not out.exists()
+
+
+def test_plan_forecast_matches_hand_computation(checkpoints, tmp_path):
+    """KV bytes per token = 2 (k, v) * layers * kv_heads * head_dim * 2 bytes, computed by hand."""
+    out = tmp_path / "b"
+    m = compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="none", max_context=256))
+    assert m["plan"]["kv_bytes_per_token"] == 2 * 3 * 2 * 32 * 2
+    assert m["plan"]["max_context"] == 256
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["compile", "/nonexistent/model.gguf", "-o", "OUT"], "no such file"),
+    (["compile", "UNSUPPORTED", "-o", "OUT"], "unsupported architecture"),
+    (["compile", "CKPT", "-o", "OUT", "--target", "sm_999"], "unknown target"),
+    (["compile", "CKPT", "-o", "NOTBUNDLE"], "not an imp bundle"),
+    (["run", "/nonexistent/bundle", "--prompt", "x"], "not a bundle directory"),
+])
+def test_cli_errors_are_clear(args, needle, checkpoints, tmp_path):
+    ck = checkpoints("llama")
+    unsupported = tmp_path / "unsupported"
+    unsupported.mkdir()
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(model_type="mamba", architectures=["MambaForCausalLM"])
+    (unsupported / "config.json").write_text(json.dumps(cfg))
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (unsupported / f).write_bytes((ck / f).read_bytes())
+    notbundle = tmp_path / "notbundle"
+    notbundle.mkdir()
+    (notbundle / "precious.txt").write_text("keep me")
+    subst = {"OUT": str(tmp_path / "out"), "CKPT": str(ck), "UNSUPPORTED": str(unsupported), "NOTBUNDLE": str(notbundle)}
+    r = impc(*[subst.get(a, a) for a in args])
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert needle in r.stderr
+    assert (notbundle / "precious.txt").read_text() == "keep me"
+
+
+def test_help_for_every_command():
+    for cmd in ("compile", "run", "inspect"):
+        r = impc(cmd, "--help")
+        assert r.returncode == 0 and "usage: impc " + cmd in r.stdout
+
+
+def test_inspect_reports_quantization_and_plan(bundles):
+    path = bundles("llama", "nvfp4")
+    r = impc("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((path / "manifest.json").read_text())
+    n_nvfp4 = sum(1 for e in m["quantization"]["tensors"].values() if e["format"] == "nvfp4")
+    assert n_nvfp4 == 3 * 4          # 3 layers x (qkv, o, gate_up, down)
+    assert f"{n_nvfp4} nvfp4" in r.stdout and "KV pages" not in r.stdout   # cpu-only: no GPU plan
+    assert "weights.safetensors" in r.stdout
+
+
+@pytest.mark.slow
+def test_cubins_rebuild_byte_identical_from_a_cold_cache(checkpoints, tmp_path, monkeypatch):
+    """Emit with nvcc twice, each time with an empty kernel cache: the cubins (and bundles) match."""
+    ck = checkpoints("llama")
+    trees = []
+    for run in ("one", "two"):
+        monkeypatch.setenv("IMP_CACHE_DIR", str(tmp_path / f"cache-{run}"))
+        out = tmp_path / run / "bundle"
+        compile_model(CompileOptions(model=str(ck), out=out, targets="sm_90a,sm_120a"))
+        trees.append(tree_bytes(out))
+        assert (tmp_path / f"cache-{run}").exists() and any((tmp_path / f"cache-{run}").iterdir())
+    assert {"kernels/sm_90a.cubin", "kernels/sm_120a.cubin"} <= trees[0].keys()
+    assert trees[0] == trees[1]

@@ -1,0 +1,107 @@
+"""The NVFP4 quantizer against a float64 implementation of DESIGN.md's definition, written here
+independently: scalar loops, explicit grids, no shared code with impc.quantize."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from impc.quantize import quantize_nvfp4
+
+E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e4m3_grid() -> list[float]:
+    vals = []
+    for e in range(16):
+        for m in range(8):
+            if e == 15 and m == 7:
+                continue                      # NaN
+            vals.append(m / 8 * 2 ** -6 if e == 0 else (1 + m / 8) * 2 ** (e - 7))
+    return vals                               # code order == value order
+
+
+E4M3_GRID = e4m3_grid()
+
+
+def nearest_even(x: float, grid: list[float]) -> tuple[int, float]:
+    """Index and value of the grid point nearest to x >= 0; ties go to the even index."""
+    best = min(range(len(grid)), key=lambda i: (abs(grid[i] - x), i % 2))
+    return best, grid[best]
+
+
+def reference(w: np.ndarray) -> np.ndarray:
+    """De-quantized values by the definition, in float64 (the padded tail dropped)."""
+    n, k = w.shape
+    kp = (k + 15) // 16 * 16
+    wp = np.zeros((n, kp))
+    wp[:, :k] = w
+    amax = np.abs(wp).max()
+    st = float(np.float32(amax / (6 * 448))) if amax > 0 else 1.0
+    out = np.zeros_like(wp)
+    for r in range(n):
+        for b in range(kp // 16):
+            blk = wp[r, b * 16:(b + 1) * 16]
+            _, sb = nearest_even(min(np.abs(blk).max() / (6 * st), 448.0), E4M3_GRID)
+            for j, v in enumerate(blk):
+                if sb == 0:
+                    continue
+                x = min(abs(v) / (sb * st), 6.0)
+                _, q = nearest_even(x, E2M1_GRID)
+                out[r, b * 16 + j] = math.copysign(q, v) * sb * float(np.float32(st))
+    return out[:, :k]
+
+
+def check(w: np.ndarray) -> np.ndarray:
+    got = quantize_nvfp4(w).dequantize()
+    ref = reference(np.asarray(w, dtype=np.float64))
+    # float32 storage of s_t: the only rounding is the final multiply, so compare to 1 ulp of float32
+    np.testing.assert_allclose(got, ref, rtol=2e-7, atol=0)
+    return got
+
+
+def test_random_gaussian():
+    check(np.random.default_rng(0).standard_normal((8, 64)))
+
+
+def test_all_zero_blocks():
+    w = np.random.default_rng(1).standard_normal((4, 48))
+    w[:, 16:32] = 0.0
+    w[2] = 0.0
+    got = check(w)
+    assert np.all(got[:, 16:32] == 0) and np.all(got[2] == 0)
+
+
+def test_one_outlier():
+    w = np.random.default_rng(2).standard_normal((4, 32)) * 1e-3
+    w[1, 5] = 1e3
+    got = check(w)
+    assert got[1, 5] == pytest.approx(1e3, rel=1e-6)   # amax maps to 6 * 448 exactly
+
+
+def test_e4m3_range_edges():
+    """Block maxima spanning the E4M3 range: the tensor max at 448, tiny blocks down in subnormals."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 64))
+    w[0, :16] *= 1e4                     # sets the tensor scale
+    w[1, 16:32] *= 1e-4                  # block scale near E4M3's subnormals
+    w[2, 32:48] *= 1e-7                  # block scale underflows to zero
+    check(w)
+
+
+def test_k_not_multiple_of_16():
+    check(np.random.default_rng(4).standard_normal((5, 37)))
+
+
+def test_negative_zero_and_ties():
+    w = np.array([[-0.0, 0.0, 0.25, -0.25, 0.75, 1.25, -1.75, 2.5, 3.5, 5.0, 6.0, -6.0, 0.1, -0.1, 4.0, 1.0]])
+    got = check(w)
+    assert got[0, 0] == 0.0 and got[0, 1] == 0.0
+
+
+def test_exact_grid_values_roundtrip():
+    """Values already on the grid with a power-of-two tensor scale come back exactly."""
+    w = np.array([E2M1_GRID[1:] + [-v for v in E2M1_GRID[1:]] + [0.0, 6.0]]) * 448 / 448
+    got = quantize_nvfp4(w).dequantize()
+    np.testing.assert_allclose(got, w, rtol=1e-6)
