@@ -68,10 +68,17 @@ def template_hashes() -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(TEMPLATES_DIR.glob("*.j2"))}
 
 
+def cfloat(x: float) -> str:
+    """A C++ float literal that round-trips x (1.0 -> "1.0f", not the invalid "1f")."""
+    text = repr(float(x))
+    return text + "f" if any(c in text for c in ".eE") else text + ".0f"
+
+
 def render(spec: ModelSpec, target: dict, plan: dict) -> str:
     """One translation unit: the common prelude, then every kernel family, each specialised."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["cfloat"] = cfloat
     ctx = {"spec": spec, "target": target, "plan": plan,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)]}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
