@@ -95,3 +95,18 @@ def test_streamed_text_equals_full_decode(smol_bundles):
     events = list(engine.generate(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=3)))
     toks = [e.token_id for e in events if e.token_id not in engine.tokenizer.eos_ids]
     assert "".join(e.text for e in events) == engine.tokenizer.decode(toks)
+
+
+def test_impc_run_streams_the_answer_and_chats(smol_bundles):
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "impc.cli", "run", str(smol_bundles["nvfp4"]), "--temperature", "0", "--max-tokens", "16"]
+    r = subprocess.run(run + ["--prompt", "What is the capital of France?"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    # interactive: two turns on stdin, then end of input
+    r = subprocess.run(run, input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "Rome" in r.stdout
