@@ -10,11 +10,16 @@ from pathlib import Path
 def _add_compile(sub) -> None:
     p = sub.add_parser("compile", help="compile a checkpoint into a bundle",
                        description="Read a checkpoint, quantize it, plan GPU memory, emit kernels, write a bundle.")
-    p.add_argument("model", help="a .gguf file, a Hugging Face folder, or the name 'smollm2'")
+    p.add_argument("model", nargs="?", help="a .gguf file, a Hugging Face folder, or the name 'smollm2'")
+    p.add_argument("--synthetic", default=None, metavar="CONFIG.json",
+                   help="build from a config.json alone: no weights stored, the GPU runtime generates them from --seed")
+    p.add_argument("--seed", type=int, default=0, help="seed of --synthetic weights (default 0)")
     p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="linear weights' format (default nvfp4)")
     p.add_argument("--quant-embed", action="store_true", help="store the embedding table in NVFP4 too (default bf16)")
     p.add_argument("--quant-head", action="store_true", help="store an untied output head in NVFP4 too (default bf16)")
+    p.add_argument("--no-scale-search", action="store_true",
+                   help="plain NVFP4 block scales (amax / 6) instead of the least-squared-error search")
     p.add_argument("--target", default=None,
                    help="GPU targets, comma-separated (default sm_90a,sm_120a); 'none' for a cpu-only bundle")
     p.add_argument("--vram", type=float, default=None, metavar="GiB",
@@ -78,10 +83,17 @@ def cmd_compile(a) -> int:
     from impc.compile import CompileOptions, compile_model
     from impc.progress import Progress
 
-    opts = CompileOptions(model=a.model, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
-                          quant_head=a.quant_head, targets=a.target, vram_gib=a.vram, max_context=a.max_context,
+    if (a.model is None) == (a.synthetic is None):
+        from impc.checkpoint import CompileError
+        raise CompileError("give either MODEL or --synthetic CONFIG.json")
+    opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
+                          quant_head=a.quant_head, scale_search=not a.no_scale_search, targets=a.target, vram_gib=a.vram, max_context=a.max_context,
                           max_batch=a.max_batch, name=a.name)
-    compile_model(opts, Progress(quiet=a.quiet))
+    if a.synthetic:
+        from impc.synthetic import compile_synthetic
+        compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))
+    else:
+        compile_model(opts, Progress(quiet=a.quiet))
     if not a.quiet:
         print(f"bundle written to {a.output}", file=sys.stderr)
     return 0

@@ -27,6 +27,7 @@ class CompileOptions:
     quant: str = "nvfp4"             # nvfp4 | bf16
     quant_embed: bool = False        # NVFP4 for the embedding table too
     quant_head: bool = False         # NVFP4 for an untied output head too
+    scale_search: bool = True        # per-block search for the E4M3 scale of least squared error
     targets: str | None = None       # "sm_90a,sm_120a" (default both) or "none"
     vram_gib: float | None = None
     max_context: int | None = None
@@ -90,7 +91,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
         fmt = formats[name]
         entry: dict = {"format": fmt, "shape": list(w.shape)}
         if fmt == "nvfp4":
-            q = quantize_nvfp4(w)
+            q = quantize_nvfp4(w, opts.scale_search)
             arrays[name + ".codes"], arrays[name + ".scales"], arrays[name + ".tscale"] = q.codes, q.scales, q.tscale
             err = measure_error(w, q.dequantize())
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
@@ -122,7 +123,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     manifest = {
         "name": opts.name or out.name,
         "model": spec.to_dict(),
-        "quantization": {"mode": opts.quant, "embed": formats["embed"],
+        "quantization": {"mode": opts.quant, "scale_search": opts.scale_search, "embed": formats["embed"],
                          "lm_head": formats.get("lm_head", "tied"), "tensors": quant},
         "tokenizer": {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if ck.chat_template else None,
                       **ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos},
@@ -133,6 +134,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
                     "functions": {e.target: e.kernels for e in emitted}},
         "build": {"imp_version": __version__, "source": Path(ck.path).name, "checkpoint_sha256": ck.source_hash(),
                   "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
+                              "scale_search": opts.scale_search,
                               "targets": [t["name"] for t in targets], "vram_gib": opts.vram_gib,
                               "max_context": opts.max_context, "max_batch": opts.max_batch},
                   "compiler": compiler_record() if emitted else None,

@@ -23,7 +23,8 @@ from imp_runtime.spec import ModelSpec
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 # SASS only, never PTX: a newer PTX may not JIT on an older driver.
 NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
-KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)')
+KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+'
+                       r'(?:__launch_bounds__\([^)]*\)\s+)?(\w+)')
 
 
 @dataclass

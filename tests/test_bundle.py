@@ -146,3 +146,24 @@ def test_cubins_rebuild_byte_identical_from_a_cold_cache(checkpoints, tmp_path, 
         assert (tmp_path / f"cache-{run}").exists() and any((tmp_path / f"cache-{run}").iterdir())
     assert {"kernels/sm_90a.cubin", "kernels/sm_120a.cubin"} <= trees[0].keys()
     assert trees[0] == trees[1]
+
+
+def test_sharded_checkpoint_gives_the_same_weights(checkpoints, bundles, tmp_path):
+    """A checkpoint saved in several safetensors shards (with an index) compiles to the same tensors."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    src = checkpoints("qwen2")
+    sharded = tmp_path / "sharded"
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, sharded / f)
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    out = tmp_path / "b"
+    compile_model(CompileOptions(model=str(sharded), out=out, quant="bf16", targets="none"))
+    import numpy as np
+    a, b = load_bundle(out).float_weights(), load_bundle(bundles("qwen2", "bf16")).float_weights()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -105,3 +105,20 @@ def test_exact_grid_values_roundtrip():
     w = np.array([E2M1_GRID[1:] + [-v for v in E2M1_GRID[1:]] + [0.0, 6.0]]) * 448 / 448
     got = quantize_nvfp4(w).dequantize()
     np.testing.assert_allclose(got, w, rtol=1e-6)
+
+
+def test_scale_search_never_worse_per_block_and_stays_on_the_grid():
+    w = np.random.default_rng(5).standard_normal((16, 96)) * np.exp(np.random.default_rng(6).standard_normal((16, 1)))
+    plain = quantize_nvfp4(w).dequantize()
+    searched_t = quantize_nvfp4(w, scale_search=True)
+    searched = searched_t.dequantize()
+    block_err = lambda q: ((q - w) ** 2).reshape(16, -1, 16).sum(axis=2)  # noqa: E731
+    assert np.all(block_err(searched) <= block_err(plain) * (1 + 1e-12))
+    assert block_err(searched).sum() < 0.95 * block_err(plain).sum()
+    # every value is an E2M1 grid point times the block's E4M3 scale times the tensor scale
+    st = float(searched_t.tscale[0])
+    for r in range(16):
+        for b in range(6):
+            sb = E4M3_GRID[searched_t.scales[r, b]]
+            for v in searched[r, b * 16:(b + 1) * 16]:
+                assert sb > 0 and min(abs(abs(v) - g * sb * st) for g in E2M1_GRID) <= 1e-6 * abs(v) + 1e-30

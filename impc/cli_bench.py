@@ -1,0 +1,179 @@
+"""`impc bench BUNDLE`: decode and prefill throughput of a bundle on the GPU it runs on.
+
+Reports decode tok/s at several batch sizes (tg: tokens generated per sequence after a short prompt,
+greedy on the GPU sampler, graph replay), prefill tok/s (pp: one prompt of that many tokens, chunked as
+planned), time to first token (a 128-token prompt to its first token id on the host), load time, GPU
+memory, and the weight bandwidth decode achieves at batch 1 as a fraction of the device-to-device copy
+bandwidth measured in the same run (bytes read + written per second). Each figure is the median of
+--runs runs. Needs the cuda executor (and so an NVIDIA GPU)."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure decode/prefill throughput of a bundle on this GPU",
+                       description=__doc__)
+    p.add_argument("bundle")
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (default 1,8,32,64)")
+    p.add_argument("--tg", type=int, default=128, help="tokens generated per sequence (default 128)")
+    p.add_argument("--pp", default="128,512,4096", help="prefill lengths (default 128,512,4096)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt length before a decode run (default 16)")
+    p.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
+    p.add_argument("--kv-pages", type=int, default=None, help="cap the KV pool (default: the plan's)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(handler=cmd_bench)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy: (read + write) bytes per second, median of reps."""
+    from imp_runtime.cuda_driver import check, cu
+    src = int(check(cu.cuMemAlloc(nbytes)))
+    dst = int(check(cu.cuMemAlloc(nbytes)))
+    try:
+        st = check(cu.cuStreamCreate(0))
+        check(cu.cuMemsetD8Async(src, 1, nbytes, st))
+        e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+        times = []
+        for i in range(reps + 2):
+            check(cu.cuEventRecord(e0, st))
+            check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, st))
+            check(cu.cuEventRecord(e1, st))
+            check(cu.cuEventSynchronize(e1))
+            if i >= 2:
+                times.append(check(cu.cuEventElapsedTime(e0, e1)) / 1e3)
+        return 2 * nbytes / statistics.median(times)
+    finally:
+        cu.cuMemFree(src)
+        cu.cuMemFree(dst)
+
+
+def decode_weight_bytes(bundle) -> int:
+    """Bytes of weights one decode step reads: every tensor but the embedding table (only B rows of it are
+    gathered), plus the table itself when it is also the output head."""
+    from impc.plan import tensor_bytes
+    total = 0
+    for name, info in bundle.tensors.items():
+        if name == "embed" and not bundle.spec.tie_embeddings:
+            continue
+        total += tensor_bytes(tuple(info["shape"]), info["format"])
+    return total
+
+
+def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], prompt: int, runs: int,
+              kv_pages: int | None = None, log=lambda s: None) -> dict:
+    import numpy as np
+
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.cuda_driver import check, cu
+    from imp_runtime.executor_cuda import CudaExecutor, gpu_available
+
+    if not gpu_available():
+        raise SystemExit("impc bench: no NVIDIA GPU with a working driver")
+    check(cu.cuInit(0))
+    ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))
+    check(cu.cuCtxSetCurrent(ctx))
+    bw = copy_bandwidth()
+    log(f"device copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    t0 = time.perf_counter()
+    bundle = load_bundle(bundle_path)
+    ex = CudaExecutor(bundle, kv_pages=kv_pages)
+    load_s = time.perf_counter() - t0
+    log(f"loaded {bundle.name} on {ex.gpu_name} ({ex.target}) in {load_s:.2f} s")
+    rng = np.random.default_rng(0)
+    vocab = bundle.spec.vocab_size
+    res: dict = {"bundle": bundle.name, "gpu": ex.gpu_name, "target": ex.target, "load_s": load_s,
+                 "copy_bandwidth_Bps": bw, "decode": {}, "prefill": {}, "runs": runs,
+                 "weights_bytes": ex.weights_bytes, "decode_weight_bytes": decode_weight_bytes(bundle)}
+    # decode
+    for b in batches:
+        if b > ex.max_batch:
+            continue
+        rates = []
+        for _ in range(runs):
+            sids = [ex.new_sequence() for _ in range(b)]
+            toks = []
+            for sid in sids:
+                logits = ex.prefill(sid, rng.integers(3, vocab, prompt).tolist())
+                toks.append(int(np.argmax(logits)))
+            ex.decode_sample(sids, toks)           # warm
+            t = time.perf_counter()
+            for _ in range(tg):
+                toks = ex.decode_sample(sids, toks)
+            dt = time.perf_counter() - t
+            rates.append(b * tg / dt)
+            for sid in sids:
+                ex.free(sid)
+        res["decode"][str(b)] = {"tok_s": statistics.median(rates), "step_ms": 1e3 * b / statistics.median(rates)}
+        log(f"decode batch {b}: {statistics.median(rates):.1f} tok/s")
+    # prefill
+    for pp in pps:
+        if pp + 1 > ex.max_context:
+            continue
+        times = []
+        for r in range(runs + 1):
+            sid = ex.new_sequence()
+            toks = rng.integers(3, vocab, pp).tolist()
+            t = time.perf_counter()
+            logits = ex.prefill(sid, toks)
+            first = int(np.argmax(logits))
+            dt = time.perf_counter() - t
+            ex.free(sid)
+            if r:
+                times.append(dt)
+        res["prefill"][str(pp)] = {"tok_s": pp / statistics.median(times), "ms": 1e3 * statistics.median(times)}
+        if pp == 128:
+            res["ttft_ms"] = 1e3 * statistics.median(times)
+        log(f"prefill {pp}: {pp / statistics.median(times):.0f} tok/s")
+    mem = ex.memory()
+    res["memory"] = mem
+    res["peak_gpu_memory_bytes"] = mem["device_used_bytes"]
+    b1 = res["decode"].get("1")
+    if b1:
+        achieved = res["decode_weight_bytes"] * b1["tok_s"]
+        res["decode_b1_weight_bandwidth_Bps"] = achieved
+        res["decode_b1_bandwidth_fraction"] = achieved / bw
+    ex.close()
+    return res
+
+
+def _commit() -> str:
+    try:
+        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return h + ("+uncommitted" if dirty else "") if h else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def format_table(r: dict) -> str:
+    lines = [f"bundle {r['bundle']} on {r['gpu']} ({r['target']}), median of {r['runs']} runs"]
+    for b, d in r["decode"].items():
+        lines.append(f"  decode  batch {b:>3}  tg128  {d['tok_s']:10.1f} tok/s  ({d['step_ms']:.2f} ms/step)")
+    for pp, d in r["prefill"].items():
+        lines.append(f"  prefill pp{pp:<5}        {d['tok_s']:10.0f} tok/s  ({d['ms']:.1f} ms)")
+    if "ttft_ms" in r:
+        lines.append(f"  time to first token (128-token prompt)  {r['ttft_ms']:.1f} ms")
+    lines.append(f"  load {r['load_s']:.2f} s; GPU memory in use {r['peak_gpu_memory_bytes'] / 2**30:.2f} GiB "
+                 f"(weights {r['memory']['weights_bytes'] / 2**30:.2f}, KV {r['memory']['kv_bytes'] / 2**30:.2f}, "
+                 f"scratch {r['memory']['scratch_bytes'] / 2**30:.2f})")
+    if "decode_b1_weight_bandwidth_Bps" in r:
+        lines.append(f"  decode batch 1 weight bandwidth {r['decode_b1_weight_bandwidth_Bps'] / 1e12:.2f} TB/s = "
+                     f"{100 * r['decode_b1_bandwidth_fraction']:.0f}% of the measured copy bandwidth "
+                     f"{r['copy_bandwidth_Bps'] / 1e12:.2f} TB/s")
+    return "\n".join(lines)
+
+
+def cmd_bench(a) -> int:
+    batches = [int(x) for x in a.batches.split(",") if x]
+    pps = [int(x) for x in a.pp.split(",") if x]
+    log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, a.kv_pages, log)
+    r["commit"] = _commit()
+    r["date"] = time.strftime("%Y-%m-%d")
+    print(json.dumps(r, indent=1) if a.json else format_table(r))
+    return 0

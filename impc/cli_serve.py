@@ -1,0 +1,39 @@
+"""`impc serve BUNDLE`: the HTTP server (OpenAI and Anthropic APIs, metrics, chat page) on uvicorn."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI and Anthropic APIs)",
+                       description="Load a bundle and answer OpenAI (/v1/chat/completions, /v1/completions, "
+                                   "/v1/responses, /v1/models) and Anthropic (/v1/messages) requests. "
+                                   "GET / is a chat page; /metrics is Prometheus; /health needs no key.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=os.environ.get("IMP_API_KEY"),
+                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(default: $IMP_API_KEY; none: open)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-n", type=int, default=8, metavar="N", help="most choices per request (default 8)")
+    p.add_argument("--max-running", type=int, default=16, metavar="N",
+                   help="generations interleaved at once; later requests queue (default 16)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default 4)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(a) -> int:
+    import uvicorn
+
+    from imp_runtime.server import Limits, build_app
+
+    limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20))
+    app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
+    print(f"imp serving {svc.model} ({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
+          f"on http://{a.host}:{a.port}/{'  [API key required]' if a.api_key else ''}", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)
+    return 0
