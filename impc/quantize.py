@@ -19,9 +19,6 @@ from imp_runtime.nvfp4 import BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_VALUE
 
 # Positive finite E4M3 values in code order (codes 0..126 increase monotonically).
 _E4M3_POS = E4M3_VALUES[:127].astype(np.float64)
-# E2M1 magnitudes in code order and the midpoints between neighbours.
-_E2M1_POS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_MID = (_E2M1_POS[1:] + _E2M1_POS[:-1]) / 2
 
 
 @dataclass
@@ -53,14 +50,13 @@ def round_e4m3(x: np.ndarray) -> np.ndarray:
 
 
 def round_e2m1(x: np.ndarray) -> np.ndarray:
-    """Values to E2M1 nibbles, round to nearest, ties to even mantissa, saturating at +-6."""
+    """Values to E2M1 nibbles, round to nearest, ties to even mantissa, saturating at +-6.
+    The grid is uniform within each binade ([0, 2) step 0.5, [2, 4) step 1, [4, 6] step 2) and the
+    even codes are the even multiples there, so np.rint (half to even) in each binade is exact RNE."""
     mag = np.minimum(np.abs(x), E2M1_MAX)
-    idx = np.searchsorted(_E2M1_MID, mag, side="left")       # mag <= mid[idx-1] goes down
-    # On an exact midpoint searchsorted(left) picks the lower code; move up where that code is odd.
-    at_mid = (idx < 7) & (mag == _E2M1_MID[np.minimum(idx, 6)])
-    idx = np.where(at_mid & (idx % 2 == 1), idx + 1, idx)
-    sign = np.where(x < 0, 8, 0)
-    return (idx + sign).astype(np.uint8)
+    idx = np.where(mag < 2, np.rint(mag * 2), np.where(mag < 4, 4 + np.rint(mag - 2), 6 + np.rint((mag - 4) / 2)))
+    idx = np.minimum(idx, 7).astype(np.uint8)
+    return idx | np.where(x < 0, np.uint8(8), np.uint8(0))
 
 
 def quantize_nvfp4(w: np.ndarray, scale_search: bool = False) -> NVFP4Tensor:
