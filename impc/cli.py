@@ -18,8 +18,8 @@ def _add_compile(sub) -> None:
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="linear weights' format (default nvfp4)")
     p.add_argument("--quant-embed", action="store_true", help="store the embedding table in NVFP4 too (default bf16)")
     p.add_argument("--quant-head", action="store_true", help="store an untied output head in NVFP4 too (default bf16)")
-    p.add_argument("--no-scale-search", action="store_true",
-                   help="plain NVFP4 block scales (amax / 6) instead of the least-squared-error search")
+    p.add_argument("--scale-search", action="store_true",
+                   help="search each block's E4M3 scale for the least squared error (default: amax / 6)")
     p.add_argument("--target", default=None,
                    help="GPU targets, comma-separated (default sm_90a,sm_120a); 'none' for a cpu-only bundle")
     p.add_argument("--vram", type=float, default=None, metavar="GiB",
@@ -87,8 +87,8 @@ def cmd_compile(a) -> int:
         from impc.checkpoint import CompileError
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
-                          quant_head=a.quant_head, scale_search=not a.no_scale_search, targets=a.target, vram_gib=a.vram, max_context=a.max_context,
-                          max_batch=a.max_batch, name=a.name)
+                          quant_head=a.quant_head, scale_search=a.scale_search, targets=a.target, vram_gib=a.vram,
+                          max_context=a.max_context, max_batch=a.max_batch, name=a.name)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -8,7 +8,7 @@ import numpy as np
 
 from impc import __version__
 from impc.checkpoint import CompileError, load_checkpoint
-from impc.emit import compiler_record, emit, template_hashes
+from impc.emit import Emitted, compiler_record, emit, template_hashes
 from impc.families import family_for
 from impc.plan import describe, plan_memory
 from impc.progress import Progress
@@ -27,7 +27,7 @@ class CompileOptions:
     quant: str = "nvfp4"             # nvfp4 | bf16
     quant_embed: bool = False        # NVFP4 for the embedding table too
     quant_head: bool = False         # NVFP4 for an untied output head too
-    scale_search: bool = True        # per-block search for the E4M3 scale of least squared error
+    scale_search: bool = False       # per-block search for the E4M3 scale of least squared error
     targets: str | None = None       # "sm_90a,sm_120a" (default both) or "none"
     vram_gib: float | None = None
     max_context: int | None = None
@@ -62,30 +62,30 @@ def to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
-def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dict:
-    p = progress or Progress(quiet=True)
-    out = Path(opts.out)
-    check_output_dir(out)
+def describe_spec(spec: ModelSpec) -> str:
+    return (f"{spec.family}: {spec.n_layers} layers, hidden {spec.hidden}, heads {spec.n_heads}/{spec.n_kv_heads}, "
+            f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e6:.1f}M parameters")
 
-    p.stage(f"load {opts.model}")
-    ck = load_checkpoint(opts.model)
-    family = family_for(ck.config)
-    spec = family.spec(ck.config)
-    p.info(f"{spec.family}: {spec.n_layers} layers, hidden {spec.hidden}, heads {spec.n_heads}/{spec.n_kv_heads}, "
-           f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e6:.1f}M parameters")
 
+def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress) -> tuple[dict[str, str], list[dict], dict]:
+    """Stage 4, before anything is quantized or written: formats, targets, the memory plan."""
     formats = tensor_formats(spec, opts)
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
     plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch)
     for line in describe(plan):
         p.info(line)
+    return formats, targets, plan
 
+
+def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: CompileOptions,
+                   p: Progress) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """Stage 3: every canonical tensor into its stored format, with the error each introduced."""
     p.stage(f"quantize ({opts.quant})")
     shapes = spec.tensor_shapes()
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, dict] = {}
-    for i, (name, w) in enumerate(family.tensors(spec, ck), 1):
+    for i, (name, w) in enumerate(tensors, 1):
         if tuple(w.shape) != shapes[name]:
             raise CompileError(f"tensor {name} has shape {tuple(w.shape)}, the config implies {shapes[name]}")
         fmt = formats[name]
@@ -109,37 +109,66 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     errs = [e["rel_rms"] for e in quant.values() if e["format"] == "nvfp4"]
     if errs:
         p.info(f"NVFP4 error ||W-Q||/||W||: mean {np.mean(errs):.4f}, max {np.max(errs):.4f} over {len(errs)} tensors")
+    return arrays, quant
 
+
+def emit_stage(spec: ModelSpec, targets: list[dict], plan: dict, p: Progress) -> list[Emitted]:
     p.stage(f"emit kernels for {', '.join(t['name'] for t in targets) or 'no GPU target (cpu only)'}")
     emitted = emit(spec, targets, plan)
     for e in emitted:
         p.info(f"{e.target}: {len(e.kernels)} kernels, {len(e.cubin) / 1024:.0f} KiB{' (cached)' if e.cached else ''}")
+    return emitted
 
-    p.stage(f"write {out}")
-    gen = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
-    texts = {"tokenizer.json": ck.tokenizer_json}
-    if ck.chat_template:
-        texts["chat_template.jinja"] = ck.chat_template
-    manifest = {
-        "name": opts.name or out.name,
+
+def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str], quant: dict[str, dict],
+                   tokenizer: dict, generation: dict, plan: dict, emitted: list[Emitted], source: str,
+                   checkpoint_sha256: str, **extra) -> dict:
+    return {
+        "name": opts.name or Path(opts.out).name,
         "model": spec.to_dict(),
+        **extra,
         "quantization": {"mode": opts.quant, "scale_search": opts.scale_search, "embed": formats["embed"],
                          "lm_head": formats.get("lm_head", "tied"), "tensors": quant},
-        "tokenizer": {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if ck.chat_template else None,
-                      **ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos},
-        "generation": gen,
+        "tokenizer": tokenizer,
+        "generation": generation,
         "plan": plan,
         "kernels": {"targets": [e.target for e in emitted],
                     "cubins": {e.target: f"kernels/{e.target}.cubin" for e in emitted},
                     "functions": {e.target: e.kernels for e in emitted}},
-        "build": {"imp_version": __version__, "source": Path(ck.path).name, "checkpoint_sha256": ck.source_hash(),
+        "build": {"imp_version": __version__, "source": source, "checkpoint_sha256": checkpoint_sha256,
                   "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
-                              "scale_search": opts.scale_search,
-                              "targets": [t["name"] for t in targets], "vram_gib": opts.vram_gib,
-                              "max_context": opts.max_context, "max_batch": opts.max_batch},
+                              "scale_search": opts.scale_search, "targets": [e.target for e in emitted],
+                              "vram_gib": opts.vram_gib, "max_context": opts.max_context,
+                              "max_batch": opts.max_batch, **{k: v for k, v in extra.get("synthetic", {}).items()
+                                                              if k == "seed"}},
                   "compiler": compiler_record() if emitted else None,
                   "templates": template_hashes()},
     }
+
+
+def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dict:
+    p = progress or Progress(quiet=True)
+    out = Path(opts.out)
+    check_output_dir(out)
+
+    p.stage(f"load {opts.model}")
+    ck = load_checkpoint(opts.model)
+    family = family_for(ck.config)
+    spec = family.spec(ck.config)
+    p.info(describe_spec(spec))
+    formats, targets, plan = plan_stage(spec, opts, p)
+    arrays, quant = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p)
+    emitted = emit_stage(spec, targets, plan, p)
+
+    p.stage(f"write {out}")
+    texts = {"tokenizer.json": ck.tokenizer_json}
+    if ck.chat_template:
+        texts["chat_template.jinja"] = ck.chat_template
+    tokenizer = {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if ck.chat_template else None,
+                 **ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos}
+    generation = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
+    manifest = build_manifest(opts, spec, formats, quant, tokenizer, generation, plan, emitted,
+                              source=Path(ck.path).name, checkpoint_sha256=ck.source_hash())
     write_bundle(out, manifest, arrays, texts, {f"kernels/{e.target}.cubin": e.cubin for e in emitted})
     p.stage("done")
     return manifest

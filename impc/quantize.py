@@ -5,9 +5,11 @@
   q    = E2M1(W / (s_b * s_t)), nearest-even, saturating at 6
 A block whose scale is zero holds zeros. Each tensor's error is measured against its input.
 
-With scale search (DESIGN.md's option), each block also tries the E4M3 codes one below and one above
-s_b and keeps whichever gives the smallest squared error of the block: on SmolLM2 that lowers
-||W - Q|| / ||W|| by about a tenth, for three times the quantization time.
+With scale search (DESIGN.md's option, `--scale-search`), each block also tries the E4M3 codes one
+below and one above s_b and keeps whichever gives the smallest squared error of the block. On SmolLM2
+it lowers ||W - Q|| / ||W|| from 0.095 to 0.085 and mean KL against bf16 from 0.211 to 0.203 nats, for
+three times the quantization time; it is off by default because that gain is within what one prompt's
+greedy answer can swing either way (SmolLM2's "capital of France" answer loses Paris with it).
 """
 from __future__ import annotations
 

@@ -12,14 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from impc import __version__
 from impc.checkpoint import CompileError
-from impc.compile import CompileOptions, tensor_formats
-from impc.emit import compiler_record, emit, template_hashes
+from impc.compile import CompileOptions, build_manifest, describe_spec, emit_stage, plan_stage
 from impc.families import family_for
-from impc.plan import describe, plan_memory
 from impc.progress import Progress
-from impc.targets import parse_targets
 from impc.write_bundle import check_output_dir, write_bundle
 
 
@@ -47,43 +43,18 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
         raise CompileError(f"{path}: cannot read the config ({e})") from None
     if "text_config" in config and "hidden_size" not in config:
         config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "gemma3_text")}
-    family = family_for(config)
-    spec = family.spec(config)
-    p.stage(f"synthetic {spec.family} from {path.name}")
-    p.info(f"{spec.n_layers} layers, hidden {spec.hidden}, heads {spec.n_heads}/{spec.n_kv_heads}, head_dim "
-           f"{spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e9:.2f}B parameters (weights from seed {seed})")
-    formats = tensor_formats(spec, opts)
-    targets = parse_targets(opts.targets)
+    spec = family_for(config).spec(config)
+    p.stage(f"synthetic {spec.family} from {path.name} (weights from seed {seed})")
+    p.info(describe_spec(spec))
+    formats, targets, plan = plan_stage(spec, opts, p)
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
-    p.stage("plan memory")
-    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch)
-    for line in describe(plan):
-        p.info(line)
-    p.stage(f"emit kernels for {', '.join(t['name'] for t in targets)}")
-    emitted = emit(spec, targets, plan)
-    for e in emitted:
-        p.info(f"{e.target}: {len(e.kernels)} kernels, {len(e.cubin) / 1024:.0f} KiB{' (cached)' if e.cached else ''}")
+    emitted = emit_stage(spec, targets, plan, p)
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
-    manifest = {
-        "name": opts.name or out.name,
-        "model": spec.to_dict(),
-        "synthetic": {"seed": int(seed), "config": path.name},
-        "quantization": {"mode": opts.quant, "embed": formats["embed"], "lm_head": formats.get("lm_head", "tied"),
-                         "tensors": quant},
-        "tokenizer": {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
-                      "pad_token": None, "unk_token": "<unk>", "eos_token_ids": [2], "add_bos": False},
-        "generation": {},
-        "plan": plan,
-        "kernels": {"targets": [e.target for e in emitted],
-                    "cubins": {e.target: f"kernels/{e.target}.cubin" for e in emitted},
-                    "functions": {e.target: e.kernels for e in emitted}},
-        "build": {"imp_version": __version__, "source": path.name, "checkpoint_sha256": "synthetic",
-                  "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
-                              "targets": [t["name"] for t in targets], "vram_gib": opts.vram_gib,
-                              "max_context": opts.max_context, "max_batch": opts.max_batch, "seed": int(seed)},
-                  "compiler": compiler_record(), "templates": template_hashes()},
-    }
+    tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
+                 "pad_token": None, "unk_token": "<unk>", "eos_token_ids": [2], "add_bos": False}
+    manifest = build_manifest(opts, spec, formats, quant, tokenizer, {}, plan, emitted, source=path.name,
+                              checkpoint_sha256="synthetic", synthetic={"seed": int(seed), "config": path.name})
     p.stage(f"write {out}")
     write_bundle(out, manifest, {}, {"tokenizer.json": stub_tokenizer_json(spec.vocab_size)},
                  {f"kernels/{e.target}.cubin": e.cubin for e in emitted})

@@ -61,8 +61,16 @@ class Bundle:
         rel = self.manifest["tokenizer"].get("chat_template")
         return self.file(rel).read_text() if rel else None
 
+    @property
+    def synthetic(self) -> bool:
+        """Built by `impc compile --synthetic`: no weights file; the cuda executor generates them."""
+        return bool(self.manifest.get("synthetic"))
+
     def raw_weights(self) -> dict[str, np.ndarray]:
         """Every stored array by its safetensors key (memory-mapped; nothing is converted)."""
+        if self.synthetic:
+            raise BundleError(f"{self.path}: a synthetic bundle has no stored weights (they are generated on "
+                              "the GPU from its seed); run it with the cuda executor")
         from safetensors.numpy import load_file
         return load_file(self.file(WEIGHTS))
 

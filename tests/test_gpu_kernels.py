@@ -1,0 +1,308 @@
+"""Each kernel family against its cpu-executor reference, on the GPU, with fresh random inputs and
+poisoned (NaN-filled) outputs. Kernels are specialised by a bundle's dimensions, so each test runs on
+several bundles: head_dim 16 (tiny llama), 128 (qwen3-0.6b shape), 256 (gemma3 shape).
+Tolerances: relative error (max |gpu - ref| / max |ref|) <= 1e-2 for bf16-output kernels and for the NVFP4
+GEMV/GEMM against the same de-quantized NVFP4 values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+try:
+    from tests.gpu_common import gpu_bundle, have_gpu
+except ImportError:
+    from gpu_common import gpu_bundle, have_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs an NVIDIA GPU")]
+
+BUNDLES = ["llama", "syn-qwen3-0.6b", "syn-gemma3-hd256"]
+TOL = 1e-2
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite values in the kernel's output"
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def bf16_bits(a):
+    from impc.compile import to_bf16_bits
+    return to_bf16_bits(np.asarray(a, np.float32))
+
+
+def bf16_round(a):
+    from imp_runtime.bundle import bf16_to_f32
+    return bf16_to_f32(bf16_bits(a)).reshape(np.shape(a))
+
+
+class Dev:
+    """Scratch device buffers for one test; outputs start poisoned with 0xFF bytes (NaN)."""
+
+    def __init__(self, ex):
+        from imp_runtime.cuda_driver import check, cu
+        self.ex, self.cu, self.check, self.ptrs = ex, cu, check, []
+
+    def alloc(self, nbytes: int, poison: bool = True) -> int:
+        p = int(self.check(self.cu.cuMemAlloc(max(int(nbytes), 16))))
+        self.ptrs.append(p)
+        if poison:
+            self.check(self.cu.cuMemsetD8Async(p, 0xFF, max(int(nbytes), 16), self.ex.stream))
+        return p
+
+    def put(self, arr) -> int:
+        from imp_runtime.cuda_driver import htod
+        arr = np.ascontiguousarray(arr)
+        p = self.alloc(arr.nbytes, poison=False)
+        htod(p, arr, self.ex.stream)
+        return p
+
+    def get(self, p: int, shape, dtype=np.float32) -> np.ndarray:
+        from imp_runtime.cuda_driver import dtoh
+        out = dtoh(np.empty(shape, dtype), p, self.ex.stream)
+        if dtype == np.uint16:
+            from imp_runtime.bundle import bf16_to_f32
+            return bf16_to_f32(out).reshape(shape)
+        return out
+
+    def close(self):
+        self.ex.synchronize()
+        for p in self.ptrs:
+            self.cu.cuMemFree(p)
+
+
+@pytest.fixture(scope="module", params=BUNDLES)
+def ex(request):
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    e = CudaExecutor(load_bundle(gpu_bundle(request.param)), kv_pages=512, use_graphs=False)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def dev(ex):
+    d = Dev(ex)
+    yield d
+    d.close()
+
+
+def test_rmsnorm(ex, dev):
+    from imp_runtime.cuda_driver import P
+    from imp_runtime.executor_cpu import rms_norm
+    s, rng = ex.spec, np.random.default_rng(1)
+    rows = 5
+    x = rng.standard_normal((rows, s.hidden)).astype(np.float32) * 3
+    res = rng.standard_normal((rows, s.hidden)).astype(np.float32)
+    w = rng.standard_normal(s.hidden).astype(np.float32)
+    px, pr, pw, po = dev.put(x), dev.put(res), dev.put(w), dev.alloc(rows * s.hidden * 2)
+    ex._launch("rmsnorm_residual", (rows,), (256,), [P(px), P(pr), P(pw), P(po)])
+    assert rel(dev.get(po, (rows, s.hidden), np.uint16), rms_norm(x + res, w, s.norm_eps)) <= TOL
+    assert rel(dev.get(px, (rows, s.hidden)), x + res) <= 1e-6
+    t = rng.standard_normal((rows, s.hidden)).astype(np.float32)
+    pt = dev.put(t)
+    ex._launch("rmsnorm_add", (rows,), (256,), [P(pt), P(pw), P(px)])
+    assert rel(dev.get(px, (rows, s.hidden)), x + res + rms_norm(t, w, s.norm_eps)) <= 1e-5
+
+
+def test_embedding(ex, dev):
+    from imp_runtime.cuda_driver import P
+    s, rng = ex.spec, np.random.default_rng(2)
+    table = rng.standard_normal((s.vocab_size, s.hidden)).astype(np.float32)
+    tokens = rng.integers(0, s.vocab_size, 7).astype(np.int32)
+    pt, pe, px = dev.put(tokens), dev.put(bf16_bits(table)), dev.alloc(7 * s.hidden * 4)
+    ex._launch("embedding_gather", (7,), (256,), [P(pt), P(pe), P(px)])
+    assert rel(dev.get(px, (7, s.hidden)), bf16_round(table)[tokens] * np.float32(s.embed_scale)) <= 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 17, 100])
+def test_linear(ex, dev, fmt, m):
+    from imp_runtime.executor_cuda import _Linear
+    from impc.quantize import quantize_nvfp4
+    rng = np.random.default_rng(3 + m)
+    n, k = 1000, ex.spec.hidden
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+    a = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(w)
+        wref = q.dequantize()
+        lin = _Linear("nvfp4", n, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
+    else:
+        wref = bf16_round(w)
+        lin = _Linear("bf16", n, k, dev.put(bf16_bits(w)))
+    ref = a @ wref.T
+    rows = max(m, 8)
+    pa = dev.put(bf16_bits(np.vstack([a, np.zeros((rows - m, k), np.float32)])))
+    out = dev.alloc(rows * n * 4)
+    ex.linear(pa, lin, out, m, 0)
+    assert rel(dev.get(out, (rows, n))[:m], ref) <= TOL
+    base = rng.standard_normal((rows, n)).astype(np.float32)
+    out2 = dev.put(base)
+    ex.linear(pa, lin, out2, m, 1, split_k=True)      # residual add (atomic split-K where m > 8)
+    assert rel(dev.get(out2, (rows, n))[:m], base[:m] + ref) <= TOL
+
+
+def test_act(ex, dev):
+    from imp_runtime.cuda_driver import P
+    from imp_runtime.executor_cpu import gated_act
+    s, rng = ex.spec, np.random.default_rng(4)
+    rows = 6
+    gu = (rng.standard_normal((rows, 2 * s.intermediate)) * 3).astype(np.float32)
+    pg, po = dev.put(gu), dev.alloc(rows * s.intermediate * 2)
+    ex._launch("act_gated", ((s.intermediate + 255) // 256, rows), (256,), [P(pg), P(po)])
+    assert rel(dev.get(po, (rows, s.intermediate), np.uint16), gated_act(gu, s.activation)) <= TOL
+
+
+def _pool_layout(ex):
+    s = ex.spec
+    return s.n_kv_heads, ex.page, s.head_dim
+
+
+def _write_cache(ex, layer, seq, k, v):
+    """k, v [S, KV, hd] float32 -> the layer's pages of sequence seq (bf16)."""
+    from imp_runtime.cuda_driver import htod
+    kvh, page, hd = _pool_layout(ex)
+    L = ex.layers[layer]
+    for pi, pg in enumerate(seq.pages):
+        for base, arr in ((L.k_cache, k), (L.v_cache, v)):
+            blk = np.zeros((kvh, page, hd), np.float32)
+            part = arr[pi * page:(pi + 1) * page]                  # [n, KV, hd]
+            blk[:, :len(part)] = part.transpose(1, 0, 2)
+            htod(base + pg * ex.page_bytes_layer, bf16_bits(blk), ex.stream)
+    ex.synchronize()
+
+
+def _read_slot(ex, base, slot):
+    from imp_runtime.bundle import bf16_to_f32
+    from imp_runtime.cuda_driver import dtoh
+    kvh, page, hd = _pool_layout(ex)
+    slot = int(slot)
+    blk = dtoh(np.empty((kvh, page, hd), np.uint16), base + (slot // page) * ex.page_bytes_layer, ex.stream)
+    return bf16_to_f32(blk).reshape(kvh, page, hd)[:, slot % page]
+
+
+def test_qkv_rope_cache(ex, dev):
+    from imp_runtime.cuda_driver import P
+    from imp_runtime.executor_cpu import rms_norm
+    from imp_runtime.rope import apply_rope, cos_sin
+    s, rng = ex.spec, np.random.default_rng(5)
+    t = 5
+    qkv = rng.standard_normal((t, s.q_dim + 2 * s.kv_dim)).astype(np.float32)
+    bias = rng.standard_normal(s.q_dim + 2 * s.kv_dim).astype(np.float32) * 0.3
+    qn, kn = rng.standard_normal(s.head_dim).astype(np.float32), rng.standard_normal(s.head_dim).astype(np.float32)
+    pos = rng.integers(0, 3000, t).astype(np.int32)
+    sid = ex.new_sequence()
+    seq = ex._seqs[sid]
+    ex._reserve(seq, t * ex.page)
+    slots = np.array([seq.pages[i] * ex.page + 3 for i in range(t)], np.int32)
+    mv = ex.meta_view
+    mv("positions")[:t], mv("kv_slots")[:t] = pos, slots
+    ex._send_meta()
+    L = ex.layers[0]
+    pq, pqkv = dev.alloc(t * s.q_dim * 2), dev.put(qkv)
+    ex._launch("qkv_rope_cache", (t,), (128,),
+               [P(pqkv), P(dev.put(bias)), P(dev.put(qn)), P(dev.put(kn)), P(L.inv_freq), P(ex.meta_ptr("positions")),
+                P(ex.meta_ptr("kv_slots")), P(pq), P(L.k_cache), P(L.v_cache)])
+    x = qkv + bias
+    q = x[:, :s.q_dim].reshape(t, s.n_heads, s.head_dim)
+    k = x[:, s.q_dim:s.q_dim + s.kv_dim].reshape(t, s.n_kv_heads, s.head_dim)
+    v = x[:, s.q_dim + s.kv_dim:].reshape(t, s.n_kv_heads, s.head_dim)
+    if s.qk_norm:
+        q, k = rms_norm(q, qn, s.norm_eps), rms_norm(k, kn, s.norm_eps)
+    cos, sin = cos_sin(s, 0, pos.astype(np.int64))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert rel(dev.get(pq, (t, s.q_dim), np.uint16), q.reshape(t, -1)) <= TOL
+    for i in range(t):
+        assert rel(_read_slot(ex, L.k_cache, slots[i]), k[i]) <= TOL
+        assert rel(_read_slot(ex, L.v_cache, slots[i]), v[i]) <= TOL
+    ex.free(sid)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_attn_decode(ex, dev, window):
+    from imp_runtime.cuda_driver import P, I
+    from imp_runtime.executor_cpu import attention
+    s, rng = ex.spec, np.random.default_rng(6 + window)
+    lens = [1, 37, 300, min(700, ex.max_context)]
+    b = len(lens)
+    sids = [ex.new_sequence() for _ in lens]
+    ks, vs = [], []
+    for sid, n in zip(sids, lens):
+        seq = ex._seqs[sid]
+        ex._reserve(seq, n)
+        k = rng.standard_normal((n, s.n_kv_heads, s.head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, s.n_kv_heads, s.head_dim)).astype(np.float32)
+        _write_cache(ex, 1 % s.n_layers, seq, k, v)
+        ks.append(bf16_round(k)), vs.append(bf16_round(v))
+    q = bf16_round(rng.standard_normal((b, s.n_heads, s.head_dim)).astype(np.float32) * 2)
+    mv = ex.meta_view
+    mv("seq_slot")[:b] = [ex._seqs[x].slot for x in sids]
+    mv("seq_len")[:b] = lens
+    ex._send_meta()
+    L = ex.layers[1 % s.n_layers]
+    pq, part, out = dev.put(bf16_bits(q)), ex.scratch["partial"], dev.alloc(b * s.q_dim * 2)
+    splits = 4
+    ex._launch("attn_decode", (b, s.n_kv_heads, splits), (128,),
+               [P(pq), P(L.k_cache), P(L.v_cache), P(ex.scratch["block_tables"]), P(ex.meta_ptr("seq_slot")),
+                P(ex.meta_ptr("seq_len")), P(part), I(window), I(ex.max_pages)])
+    ex._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(part), P(out), I(splits)])
+    got = dev.get(out, (b, s.n_heads, s.head_dim), np.uint16)
+    for i, n in enumerate(lens):
+        ref = attention(q[i][None], ks[i], vs[i], np.array([n - 1]), s.softmax_scale, window)[0]
+        assert rel(got[i], ref) <= TOL, f"sequence {i} (length {n})"
+    for sid in sids:
+        ex.free(sid)
+
+
+@pytest.mark.parametrize("start,t,window", [(0, 70, 0), (40, 70, 0), (100, 130, 33), (0, 5, 0)])
+def test_attn_prefill(ex, dev, start, t, window):
+    from imp_runtime.cuda_driver import P, I
+    from imp_runtime.executor_cpu import attention
+    s, rng = ex.spec, np.random.default_rng(7 + start)
+    total = start + t
+    sid = ex.new_sequence()
+    seq = ex._seqs[sid]
+    ex._reserve(seq, total)
+    k = rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32)
+    v = rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32)
+    _write_cache(ex, 0, seq, k, v)
+    q = bf16_round(rng.standard_normal((t, s.n_heads, s.head_dim)).astype(np.float32) * 2)
+    L = ex.layers[0]
+    pq, out = dev.put(bf16_bits(q)), dev.alloc(t * s.q_dim * 2)
+    bt = ex.scratch["block_tables"] + seq.slot * ex.max_pages * 4
+    ex._launch("attn_prefill", ((t + 63) // 64, s.n_heads), (128,),
+               [P(pq), P(L.k_cache), P(L.v_cache), P(bt), I(start), I(t), I(window), P(out)], smem=ex.fa_smem)
+    got = dev.get(out, (t, s.n_heads, s.head_dim), np.uint16)
+    ref = attention(q, bf16_round(k), bf16_round(v), np.arange(start, total), s.softmax_scale, window)
+    assert rel(got, ref) <= TOL
+    ex.free(sid)
+
+
+def test_sampler(ex):
+    from imp_runtime.sampler import SamplingParams
+    s, rng = ex.spec, np.random.default_rng(8)
+    logits = (rng.standard_normal((6, s.vocab_size)) * 3).astype(np.float32)
+    greedy = ex.sample(logits, [SamplingParams(temperature=0)] * 6)
+    assert greedy == np.argmax(logits, axis=1).tolist()
+    assert ex.sample(logits, [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(6)]) == greedy
+    order = np.argsort(-logits, axis=1)
+    for params, allowed in [
+        (SamplingParams(temperature=0.8, top_k=5), lambda i: set(order[i, :5].tolist())),
+        (SamplingParams(temperature=1.0, top_p=0.3), None),
+        (SamplingParams(temperature=1.0, min_p=0.2), None),
+    ]:
+        for seed in range(4):
+            p = [SamplingParams(**{**params.__dict__, "seed": seed * 10 + i}) for i in range(6)]
+            got = ex.sample(logits, p)
+            assert got == ex.sample(logits, p), "same seed, same tokens"
+            for i, tok in enumerate(got):
+                z = logits[i].astype(np.float64) / params.temperature
+                pr = np.exp(z - z.max())
+                if allowed is not None:
+                    assert tok in allowed(i)
+                elif params.top_p < 1:
+                    srt = np.sort(pr)[::-1] / pr.sum()
+                    keep = int(np.searchsorted(np.cumsum(srt), params.top_p)) + 1
+                    assert pr[tok] / pr.sum() >= srt[keep - 1] * (1 - 1e-5)
+                else:
+                    assert pr[tok] >= params.min_p * (1 - 1e-5)

@@ -1,0 +1,50 @@
+"""CI (no GPU): every template renders and compiles for every target, for several model shapes, and the
+cubin holds every kernel the cuda executor launches."""
+from __future__ import annotations
+
+import pytest
+
+from imp_runtime.spec import ModelSpec, RopeScaling
+
+EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "rmsnorm_add", "act_gated",
+            "qkv_rope_cache", "attn_decode", "attn_decode_merge", "attn_prefill", "gemm_nvfp4", "gemm_bf16",
+            "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
+            *[f"gemv_{f}_nb{n}" for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8)]]
+
+SHAPES = {
+    "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                            head_dim=16, intermediate=160, norm_eps=1e-5, rope_theta=5e4, max_position=512,
+                            rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_position=64)),
+    "gemma3-hd256": ModelSpec(family="gemma3", vocab_size=32000, hidden=1152, n_layers=2, n_heads=4, n_kv_heads=1,
+                              head_dim=256, intermediate=6912, norm_eps=1e-6, rope_theta=1e6, max_position=32768,
+                              qk_norm=True, sandwich_norm=True, activation="gelu_tanh", embed_scale=33.9,
+                              attn_scale=0.0625, sliding_window=512, layer_kinds=("sliding", "full"),
+                              rope_theta_local=1e4, final_softcap=30.0),
+    "qwen3-8b": ModelSpec(family="qwen3", vocab_size=151936, hidden=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                          head_dim=128, intermediate=12288, norm_eps=1e-6, rope_theta=1e6, max_position=40960,
+                          qk_norm=True),
+}
+
+
+def _nvcc():
+    from impc.checkpoint import CompileError
+    from impc.emit import nvcc_path, nvcc_version
+    try:
+        nv = nvcc_path()
+    except CompileError as e:
+        pytest.skip(str(e))
+    return nv, nvcc_version(nv)
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_templates_compile(shape, target):
+    from impc.emit import KERNEL_RE, compile_cubin, render
+    from impc.targets import load_target
+    nv, ver = _nvcc()
+    t = load_target(target)
+    src = render(SHAPES[shape], t, {})
+    assert sorted(KERNEL_RE.findall(src)) == sorted(EXPECTED)
+    cubin, _cached = compile_cubin(src, t, nv, ver)
+    for name in EXPECTED:
+        assert name.encode() + b"\0" in cubin, f"{name} missing from the {target} cubin"
