@@ -40,6 +40,8 @@ def write_bundle(out: Path, manifest: dict, arrays: dict[str, np.ndarray], texts
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        for rel in files:
+            (tmp / rel).chmod(0o644)        # safetensors writes 0600; a bundle is meant to be shared
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest,
                     "files": {rel: sha256_file(tmp / rel) for rel in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
