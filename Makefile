@@ -5,8 +5,9 @@ PY     := $(VENV)/bin/python
 IMPC   := $(VENV)/bin/impc
 BUNDLE := build/smollm2
 PROMPT ?= Why is the sky blue?
+PORT   ?= 8080
 
-.PHONY: install run test test-gpu clean
+.PHONY: install run serve chromium test test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +22,22 @@ install: $(VENV)/.installed
 $(BUNDLE)/manifest.json: | $(VENV)/.installed
 	$(IMPC) compile smollm2 -o $(BUNDLE)
 
+# Answer one prompt in the terminal, then serve the bundle over HTTP (Ctrl-C stops it).
 run: $(BUNDLE)/manifest.json
 	$(IMPC) run $(BUNDLE) --prompt "$(PROMPT)"
+	$(IMPC) serve $(BUNDLE) --port $(PORT)
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q -x --durations=15 tests
+serve: $(BUNDLE)/manifest.json
+	$(IMPC) serve $(BUNDLE) --port $(PORT)
+
+# The chat page's browser test drives Debian's chromium; without it that one test skips.
+chromium:
+	@command -v chromedriver >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+	  || echo "chromium not installed: the browser test will be skipped"; }
+
+test: $(VENV)/.installed chromium
+	$(PY) -m pytest -q --durations=15 tests
 
 # On a machine with an NVIDIA GPU: the kernel and whole-model checks against the cpu executor.
 test-gpu: $(VENV)/.installed

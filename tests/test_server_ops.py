@@ -1,0 +1,119 @@
+"""Operations: /metrics counts what the clients saw, a client that disconnects cancels its generation
+and frees its KV, and concurrent clients all make progress."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest_server import API_KEY, server  # noqa: F401
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metrics(server) -> dict[tuple, float]:
+    r = httpx.get(server.url + "/metrics")      # no key needed
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m, name, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_idle(server, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(server)
+        if value(m, "imp_running_requests") == 0 and value(m, "imp_queue_depth") == 0:
+            return m
+        if time.time() > deadline:
+            pytest.fail("generations still running after the clients left")
+        time.sleep(0.1)
+
+
+def test_metrics_count_a_request(server):
+    before = wait_idle(server)
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}).json()
+    bad = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={"messages": []})
+    assert bad.status_code == 400
+    after = metrics(server)
+    u = r["usage"]
+    d = lambda name, **kw: value(after, name, **kw) - value(before, name, **kw)  # noqa: E731
+    assert d("imp_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert d("imp_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert d("imp_prompt_tokens_total") == u["prompt_tokens"]
+    assert d("imp_generation_tokens_total") == u["completion_tokens"]
+    assert d("imp_time_to_first_token_seconds_count") == 1
+    assert d("imp_inter_token_latency_seconds_count") == u["completion_tokens"] - 1
+    assert value(after, "imp_kv_pages_in_use") == 0
+    for name in ("imp_queue_depth", "imp_running_requests", "imp_kv_pages_in_use"):
+        assert (name, ()) in after
+
+
+def _kv_sequences(server) -> int:
+    return len(getattr(server.service.engine.executor, "_seqs", {}))
+
+
+def test_stream_disconnect_cancels_and_frees_kv(server):
+    before = wait_idle(server)
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    seen = 0
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content": "' in line:
+                seen += 1
+                if seen == 3:
+                    m = metrics(server)
+                    assert value(m, "imp_running_requests") == 1 and value(m, "imp_kv_pages_in_use") > 0
+                    assert _kv_sequences(server) == 1
+                    break               # closes the connection mid-stream
+    after = wait_idle(server)
+    assert value(after, "imp_kv_pages_in_use") == 0 and _kv_sequences(server) == 0
+    assert value(after, "imp_cancelled_requests_total") - value(before, "imp_cancelled_requests_total") == 1
+    assert value(after, "imp_generation_tokens_total") - value(before, "imp_generation_tokens_total") < 100
+
+
+def test_non_stream_disconnect_cancels(server):
+    before = wait_idle(server)
+    body = {"messages": [{"role": "user", "content": "Write a long story about a cat."}], "max_tokens": 400,
+            "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=2.0)
+    after = wait_idle(server)
+    assert _kv_sequences(server) == 0
+    assert value(after, "imp_cancelled_requests_total") - value(before, "imp_cancelled_requests_total") == 1
+    assert value(after, "imp_generation_tokens_total") - value(before, "imp_generation_tokens_total") < 200
+
+
+def test_concurrent_clients_all_progress(server):
+    wait_idle(server)
+    stamps: dict[int, list[float]] = {0: [], 1: []}
+
+    def client(i: int):
+        body = {"messages": [{"role": "user", "content": ["Count to ten.", "Name some animals."][i]}],
+                "max_tokens": 10, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content": "' in line:
+                    stamps[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    a, b = stamps[0], stamps[1]
+    assert len(a) >= 5 and len(b) >= 5
+    # interleaved, not one after the other: each got tokens before the other finished
+    assert a[0] < b[-1] and b[0] < a[-1]
+    assert sum(1 for t in b if a[0] < t < a[-1]) >= 3
