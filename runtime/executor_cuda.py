@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,13 +29,73 @@ from imp_runtime.rope import inv_freq
 
 __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
 
-GEMV_MAX_ROWS = 8
+# Decode steps of up to this many rows run the tensor-core GEMV (templates/gemv.cu.j2) on x planes; larger
+# batches and all prefill chunks run the GEMM. IMP_GEMV_MAX_ROWS overrides it (measurements).
+GEMV_MAX_ROWS = int(os.environ.get("IMP_GEMV_MAX_ROWS", "16"))
+GEMV_NB = (1, 2, 4, 8, 16)
+XF_BF16, XF_F16X2, XF_BF16X2 = 0, 1, 2      # x-plane formats (templates/prelude.cuh.j2)
+XF_F16_SCALE = 2.0 ** -6
+# Split-K over atomicAdd makes a GEMM's sums depend on arrival order: run to run, prefill logits then differ in
+# the last bits, which the float32-accurate decode path no longer rounds away (graph replay != eager launches).
+# So prefill runs without it (deterministic); decode steps above GEMV_MAX_ROWS rows keep it (their GEMMs
+# have small grids and it doubles their speed). IMP_SPLIT_K_ATOMIC=1 turns it on for prefill too.
+SPLIT_K_ATOMIC = os.environ.get("IMP_SPLIT_K_ATOMIC", "0") == "1"
 SPLIT_MIN_KEYS = 256      # decode attention: a split covers at least this many keys (AD_MIN_SPLIT)
 MAX_SPLITS = 16
 
 
 def target_of(major: int, minor: int) -> str:
     return f"sm_{major}{minor}a"
+
+
+def _xf_pos(k: int) -> np.ndarray:
+    i = np.arange(k)
+    j = i & 7
+    return (i & ~7) | np.where(j & 1, 4 + (j >> 1), j >> 1)
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def to_planes(a: np.ndarray, fmt: int) -> np.ndarray:
+    """float32 [M, K] -> x planes [2M, K] as uint16 bits (the layout templates/prelude.cuh.j2 describes)."""
+    a = np.asarray(a, np.float32)
+    m, k = a.shape
+    out = np.empty((2 * m, k), np.uint16)
+    if fmt == XF_F16X2:
+        s = np.clip(a * np.float32(XF_F16_SCALE), -65504, 65504).astype(np.float32)
+        h = s.astype(np.float16)
+        lo = (s - h.astype(np.float32)).astype(np.float16)
+        pos = _xf_pos(k)
+        out[0::2][:, pos] = h.view(np.uint16)
+        out[1::2][:, pos] = lo.view(np.uint16)
+    elif fmt == XF_BF16X2:
+        h = _bf16_bits(a)
+        out[0::2] = h
+        out[1::2] = _bf16_bits(a - (h.astype(np.uint32) << 16).view(np.float32))
+    else:
+        raise ValueError(f"x-plane format {fmt}")
+    return out
+
+
+def from_planes(raw: np.ndarray, fmt: int) -> np.ndarray:
+    """x planes [2M, K] uint16 bits -> the float32 [M, K] they represent (tests)."""
+    raw = np.asarray(raw, np.uint16)
+    if fmt == XF_F16X2:
+        v = raw.view(np.float16).astype(np.float32)
+        v = (v[0::2] + v[1::2]) / np.float32(XF_F16_SCALE)
+        return v[:, _xf_pos(raw.shape[1])]
+    if fmt == XF_BF16X2:
+        v = (raw.astype(np.uint32) << 16).view(np.float32)
+        return v[0::2] + v[1::2]
+    raise ValueError(f"x-plane format {fmt}")
+
+
+def xfmt(lin) -> int:
+    """The x-plane format a decode GEMV over this linear reads."""
+    return XF_F16X2 if lin.fmt == "nvfp4" else XF_BF16X2
 
 
 @dataclass
@@ -122,6 +183,7 @@ class CudaExecutor:
         self.free_slots = list(range(self.max_seqs - 1, 0, -1))
         self.free_pages = list(range(self.kv_pages - 1, 0, -1))
         self.use_graphs = use_graphs
+        self._decoding = False
         self.graphs: dict[int, object] = {}
         self._graph_handles: list = []
         check(cu.cuStreamSynchronize(self.stream))
@@ -348,20 +410,22 @@ class CudaExecutor:
     def _launch(self, name, grid, block, args, smem=0):
         self.module.launch(self.stream, name, grid, block, args, smem)
 
-    def linear(self, a: int, lin: _Linear, out: int, m: int, mode: int, split_k: bool = False) -> None:
-        """out[m, N] (=|+=) a[m, K] @ W^T. mode 0: store, 1: add. GEMV for m <= 8, tensor-core GEMM above."""
-        if m <= GEMV_MAX_ROWS:
-            nb = next(b for b in (1, 2, 4, 8) if b >= m)
-            grid = ((lin.n + 7) // 8,)
+    def linear(self, a: int, lin: _Linear, out: int, m: int, mode: int, split_k: bool = False,
+               planes: bool = False) -> None:
+        """out[m, N] (=|+=) a[m, K] @ W^T. mode 0: store, 1: add. planes: a holds x planes in xfmt(lin)
+        (decode, m <= 16: the tensor-core GEMV); otherwise a is bf16 [m, K] (the tensor-core GEMM)."""
+        if planes:
+            nb = next(b for b in GEMV_NB if b >= m)
+            grid = ((lin.n + 15) // 16,)
             if lin.fmt == "nvfp4":
                 self._launch(f"gemv_nvfp4_nb{nb}", grid, (256,),
-                             [P(a), P(lin.w), P(lin.scales), P(lin.tscale), P(out), I(lin.n), I(lin.k), I(mode)])
+                             [P(a), P(lin.w), P(lin.scales), P(lin.tscale), P(out), I(lin.n), I(lin.k), I(m), I(mode)])
             else:
-                self._launch(f"gemv_bf16_nb{nb}", grid, (256,), [P(a), P(lin.w), P(out), I(lin.n), I(lin.k), I(mode)])
+                self._launch(f"gemv_bf16_nb{nb}", grid, (256,), [P(a), P(lin.w), P(out), I(lin.n), I(lin.k), I(m), I(mode)])
             return
         gx, gy = (lin.n + 127) // 128, (m + 63) // 64
         splits = 1
-        if split_k:
+        if split_k and (SPLIT_K_ATOMIC or self._decoding):
             ktiles = (lin.k + 63) // 64
             splits = max(1, min(ktiles // 2, (2 * self.sm_count) // (gx * gy)))
         if splits > 1:
@@ -374,31 +438,46 @@ class CudaExecutor:
         else:
             self._launch("gemm_bf16", (gx, gy, splits), (256,), [P(a), P(lin.w), P(out), I(m), I(lin.n), I(lin.k), I(mode)])
 
-    def _layers(self, m: int, attention) -> None:
-        """Every layer over the m rows in scratch x; attention(layer) fills scratch attn from scratch q."""
+    def gated(self, a: int, lin: _Linear, out: int, m: int, ofmt: int) -> None:
+        """out = act(gate) * up of gate_up(a), for m <= 16 rows of x planes; out as x planes of format ofmt."""
+        nb = next(b for b in GEMV_NB if b >= m)
+        grid = ((lin.n // 2 + 15) // 16,)
+        if lin.fmt == "nvfp4":
+            self._launch(f"gemv_gated_nvfp4_nb{nb}", grid, (256,),
+                         [P(a), P(lin.w), P(lin.scales), P(lin.tscale), P(out), I(lin.n), I(lin.k), I(m), I(ofmt)])
+        else:
+            self._launch(f"gemv_gated_bf16_nb{nb}", grid, (256,), [P(a), P(lin.w), P(out), I(lin.n), I(lin.k), I(m), I(ofmt)])
+
+    def _layers(self, m: int, attention, dec: bool = False) -> None:
+        """Every layer over the m rows in scratch x; attention(layer) fills scratch attn from scratch q.
+        dec: a decode step of m <= GEMV_MAX_ROWS rows: activations go through x planes into the GEMV."""
         s, sc = self.spec, self.scratch
         x, t, hb, ab = sc["x"], sc["t"], sc["hb"], sc["ab"]
+        fmt = (lambda lin: xfmt(lin)) if dec else (lambda lin: XF_BF16)  # noqa: E731
         for L in self.layers:
-            self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.attn_norm), P(hb)])
-            self.linear(hb, L.qkv, sc["qkv"], m, 0, split_k=True)
+            self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.attn_norm), P(hb), I(fmt(L.qkv))])
+            self.linear(hb, L.qkv, sc["qkv"], m, 0, split_k=True, planes=dec)
             self._launch("qkv_rope_cache", (m,), (128,),
                          [P(sc["qkv"]), P(L.qkv_bias), P(L.q_norm), P(L.k_norm), P(L.inv_freq),
                           P(self.meta_ptr("positions")), P(self.meta_ptr("kv_slots")), P(sc["q"]),
                           P(L.k_cache), P(L.v_cache)])
             attention(L)
             if s.sandwich_norm:
-                self.linear(sc["attn"], L.o, t, m, 0, split_k=True)
+                self.linear(sc["attn"], L.o, t, m, 0, split_k=True, planes=dec)
                 self._launch("rmsnorm_add", (m,), (256,), [P(t), P(L.post_attn_norm), P(x)])
             else:
-                self.linear(sc["attn"], L.o, x, m, 1, split_k=True)
-            self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.ffn_norm), P(hb)])
-            self.linear(hb, L.gate_up, sc["gu"], m, 0, split_k=True)
-            self._launch("act_gated", ((s.intermediate + 255) // 256, m), (256,), [P(sc["gu"]), P(ab)])
+                self.linear(sc["attn"], L.o, x, m, 1, split_k=True, planes=dec)
+            self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.ffn_norm), P(hb), I(fmt(L.gate_up))])
+            if dec:
+                self.gated(hb, L.gate_up, ab, m, xfmt(L.down))
+            else:
+                self.linear(hb, L.gate_up, sc["gu"], m, 0, split_k=True)
+                self._launch("act_gated", ((s.intermediate + 255) // 256, m), (256,), [P(sc["gu"]), P(ab)])
             if s.sandwich_norm:
-                self.linear(ab, L.down, t, m, 0, split_k=True)
+                self.linear(ab, L.down, t, m, 0, split_k=True, planes=dec)
                 self._launch("rmsnorm_add", (m,), (256,), [P(t), P(L.post_ffn_norm), P(x)])
             else:
-                self.linear(ab, L.down, x, m, 1, split_k=True)
+                self.linear(ab, L.down, x, m, 1, split_k=True, planes=dec)
 
     def _embed(self, m: int) -> None:
         sc = self.scratch
@@ -412,8 +491,10 @@ class CudaExecutor:
         """logits[0:m] = head(final_norm(x[row0:row0+m]))."""
         s, sc = self.spec, self.scratch
         x = sc["x"] + row0 * s.hidden * 4
-        self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(self.final_norm), P(sc["hb"])])
-        self.linear(sc["hb"], self.head, sc["logits"], m, 0, split_k=True)
+        dec = m <= GEMV_MAX_ROWS
+        self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(self.final_norm), P(sc["hb"]),
+                                                         I(xfmt(self.head) if dec else XF_BF16)])
+        self.linear(sc["hb"], self.head, sc["logits"], m, 0, split_k=True, planes=dec)
         if s.final_softcap:
             self._launch("logits_softcap", ((s.vocab_size + 255) // 256, m), (256,), [P(sc["logits"])])
 
@@ -423,16 +504,20 @@ class CudaExecutor:
     def _decode_launches(self, b: int) -> None:
         s, sc = self.spec, self.scratch
         splits = self._splits(b)
+        dec = b <= GEMV_MAX_ROWS
+        self._decoding = True
         self._embed(b)
 
         def attention(L: _Layer) -> None:
             self._launch("attn_decode", (b, s.n_kv_heads, splits), (128,),
                          [P(sc["q"]), P(L.k_cache), P(L.v_cache), P(sc["block_tables"]), P(self.meta_ptr("seq_slot")),
                           P(self.meta_ptr("seq_len")), P(sc["partial"]), I(L.window), I(self.max_pages)])
-            self._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(sc["partial"]), P(sc["attn"]), I(splits)])
+            self._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,),
+                         [P(sc["partial"]), P(sc["attn"]), I(splits), I(xfmt(L.o) if dec else XF_BF16)])
 
-        self._layers(b, attention)
+        self._layers(b, attention, dec)
         self._head(0, b)
+        self._decoding = False
         self._launch("sample_tokens", (b,), (1024,),
                      [P(sc["logits"]), P(self.meta_ptr("temperature")), P(self.meta_ptr("top_k")),
                       P(self.meta_ptr("top_p")), P(self.meta_ptr("min_p")), P(self.meta_ptr("seed")),
@@ -480,9 +565,10 @@ class CudaExecutor:
 
             self._layers(t, attention)
             seq.length = start + t
-            if all_logits:
-                for r0 in range(0, t, self.logit_rows):
-                    n = min(self.logit_rows, t - r0)
+            if all_logits:      # in pieces the decode GEMV takes: float32-accurate logits, as decode's
+                step = min(self.logit_rows, GEMV_MAX_ROWS) if GEMV_MAX_ROWS > 0 else self.logit_rows
+                for r0 in range(0, t, step):
+                    n = min(step, t - r0)
                     self._head(r0, n)
                     rows.append(dtoh(np.empty((n, s.vocab_size), np.float32), sc["logits"], self.stream))
         if all_logits:

@@ -47,7 +47,8 @@ if [[ $PHASE == a || $PHASE == all ]]; then
   [[ -d build/smol-a ]] && cp -r build/smol-a/. /tmp/imp-smol/ && echo "stashed smol-a" >> "$SUMMARY"
   run_tests kernels tests/test_gpu_kernels.py
   run_tests tiny tests/test_gpu_model.py -k "tiny or synthetic"
-  [[ -d build/syn-qwen3-8b ]] && bench qwen3-8b build/syn-qwen3-8b
+  [[ -d build/syn-qwen3-8b ]] && bench qwen3-8b build/syn-qwen3-8b --batches 1,2,4,8,16,32,64
+  [[ -d build/syn-qwen3-8b-qh ]] && bench qwen3-8b-qh build/syn-qwen3-8b-qh --batches 1,8,16 --pp 512
   [[ -d build/syn-llama-8b ]] && bench llama-8b build/syn-llama-8b --batches 1,64 --pp 512
 fi
 if [[ $PHASE == b || $PHASE == all ]]; then

@@ -2,7 +2,9 @@
 poisoned (NaN-filled) outputs. Kernels are specialised by a bundle's dimensions, so each test runs on
 several bundles: head_dim 16 (tiny llama), 128 (qwen3-0.6b shape), 256 (gemma3 shape).
 Tolerances: relative error (max |gpu - ref| / max |ref|) <= 1e-2 for bf16-output kernels and for the NVFP4
-GEMV/GEMM against the same de-quantized NVFP4 values."""
+GEMM (bf16 activations) against the same de-quantized NVFP4 values; <= 1e-4 for the decode GEMV, which takes
+float32 activations as hi/lo x planes and must follow the float32 cpu reference (NVFP4 blocks with tiny
+scales, whose fp16 products are subnormal, included); x planes themselves within 1e-5 of float32."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs 
 
 BUNDLES = ["llama", "syn-qwen3-0.6b", "syn-gemma3-hd256"]
 TOL = 1e-2
+TOL_F32 = 1e-4
 
 
 def rel(a, b) -> float:
@@ -87,17 +90,24 @@ def dev(ex):
 
 
 def test_rmsnorm(ex, dev):
-    from imp_runtime.cuda_driver import P
+    from imp_runtime.cuda_driver import I, P
     from imp_runtime.executor_cpu import rms_norm
     s, rng = ex.spec, np.random.default_rng(1)
     rows = 5
     x = rng.standard_normal((rows, s.hidden)).astype(np.float32) * 3
     res = rng.standard_normal((rows, s.hidden)).astype(np.float32)
     w = rng.standard_normal(s.hidden).astype(np.float32)
+    from imp_runtime.executor_cuda import XF_BF16X2, XF_F16X2, from_planes
     px, pr, pw, po = dev.put(x), dev.put(res), dev.put(w), dev.alloc(rows * s.hidden * 2)
-    ex._launch("rmsnorm_residual", (rows,), (256,), [P(px), P(pr), P(pw), P(po)])
-    assert rel(dev.get(po, (rows, s.hidden), np.uint16), rms_norm(x + res, w, s.norm_eps)) <= TOL
+    ex._launch("rmsnorm_residual", (rows,), (256,), [P(px), P(pr), P(pw), P(po), I(0)])
+    ref = rms_norm(x + res, w, s.norm_eps)
+    assert rel(dev.get(po, (rows, s.hidden), np.uint16), ref) <= TOL
     assert rel(dev.get(px, (rows, s.hidden)), x + res) <= 1e-6
+    for fmt in (XF_F16X2, XF_BF16X2):           # x planes for the decode GEMV: float32 accuracy
+        px2, pp = dev.put(x + res), dev.alloc(2 * rows * s.hidden * 2)
+        ex._launch("rmsnorm_residual", (rows,), (256,), [P(px2), P(0), P(pw), P(pp), I(fmt)])
+        assert rel(from_planes(dev.get(pp, (2 * rows, s.hidden), np.int16).view(np.uint16), fmt),
+                   ref) <= 1e-5, f"x planes format {fmt}"
     t = rng.standard_normal((rows, s.hidden)).astype(np.float32)
     pt = dev.put(t)
     ex._launch("rmsnorm_add", (rows,), (256,), [P(pt), P(pw), P(px)])
@@ -138,8 +148,78 @@ def test_linear(ex, dev, fmt, m):
     assert rel(dev.get(out, (rows, n))[:m], ref) <= TOL
     base = rng.standard_normal((rows, n)).astype(np.float32)
     out2 = dev.put(base)
-    ex.linear(pa, lin, out2, m, 1, split_k=True)      # residual add (atomic split-K where m > 8)
+    ex.linear(pa, lin, out2, m, 1, split_k=True)      # residual add
     assert rel(dev.get(out2, (rows, n))[:m], base[:m] + ref) <= TOL
+    import imp_runtime.executor_cuda as exc
+    saved, exc.SPLIT_K_ATOMIC = exc.SPLIT_K_ATOMIC, True
+    try:
+        out3 = dev.put(base)
+        ex.linear(pa, lin, out3, m, 1, split_k=True)  # the opt-in atomic split-K
+        assert rel(dev.get(out3, (rows, n))[:m], base[:m] + ref) <= TOL
+    finally:
+        exc.SPLIT_K_ATOMIC = saved
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11, 16])
+def test_gemv(ex, dev, fmt, m):
+    """The decode GEMV: float32 activations (as x planes) times NVFP4 or bf16 weights, against float64."""
+    from imp_runtime.executor_cuda import GEMV_MAX_ROWS, _Linear, to_planes, xfmt
+    from impc.quantize import quantize_nvfp4
+    if m > GEMV_MAX_ROWS:
+        pytest.skip("batch above the GEMV's rows")
+    rng = np.random.default_rng(30 + m)
+    n, k = 1000, ex.spec.hidden
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+    w[:40] *= 1e-4                                  # tiny rows: block scales far below the tensor's
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(w)
+        wref = q.dequantize()
+        lin = _Linear("nvfp4", n, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
+    else:
+        wref = bf16_round(w)
+        lin = _Linear("bf16", n, k, dev.put(bf16_bits(w)))
+    ref = a.astype(np.float64) @ wref.T.astype(np.float64)
+    pa = dev.put(to_planes(a, xfmt(lin)))
+    out = dev.alloc(max(m, 16) * n * 4)
+    ex.linear(pa, lin, out, m, 0, planes=True)
+    got = dev.get(out, (m, n))
+    assert rel(got, ref) <= TOL_F32
+    assert rel(got[:, :40], ref[:, :40]) <= TOL_F32, "rows of tiny block scales"
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    out2 = dev.put(base)
+    ex.linear(pa, lin, out2, m, 1, planes=True)       # residual add
+    assert rel(dev.get(out2, (m, n)), base + ref) <= TOL_F32
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_gemv_gated(ex, dev, fmt, m):
+    """gate_up GEMV with the gated activation fused: x planes in, x planes (of either format) out."""
+    from imp_runtime.executor_cpu import gated_act
+    from imp_runtime.executor_cuda import XF_BF16X2, XF_F16X2, _Linear, from_planes, to_planes, xfmt
+    from impc.quantize import quantize_nvfp4
+    if m > __import__("imp_runtime.executor_cuda", fromlist=["GEMV_MAX_ROWS"]).GEMV_MAX_ROWS:
+        pytest.skip("batch above the GEMV's rows")
+    s, rng = ex.spec, np.random.default_rng(50 + m)
+    inter, k = 200, s.hidden
+    w = (rng.standard_normal((2 * inter, k)) * rng.uniform(0.1, 3, (2 * inter, 1))).astype(np.float32)
+    a = (rng.standard_normal((m, k)) * 0.3).astype(np.float32)
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(w)
+        wref = q.dequantize()
+        lin = _Linear("nvfp4", 2 * inter, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
+    else:
+        wref = bf16_round(w)
+        lin = _Linear("bf16", 2 * inter, k, dev.put(bf16_bits(w)))
+    ref = gated_act((a.astype(np.float64) @ wref.T.astype(np.float64)).astype(np.float32), s.activation)
+    pa = dev.put(to_planes(a, xfmt(lin)))
+    for ofmt in (XF_F16X2, XF_BF16X2):
+        out = dev.alloc(2 * m * inter * 2)
+        ex.gated(pa, lin, out, m, ofmt)
+        got = from_planes(dev.get(out, (2 * m, inter), np.int16).view(np.uint16), ofmt)
+        assert rel(got, ref) <= TOL_F32, f"output planes {ofmt}"
 
 
 def test_act(ex, dev):
@@ -245,7 +325,7 @@ def test_attn_decode(ex, dev, window):
     ex._launch("attn_decode", (b, s.n_kv_heads, splits), (128,),
                [P(pq), P(L.k_cache), P(L.v_cache), P(ex.scratch["block_tables"]), P(ex.meta_ptr("seq_slot")),
                 P(ex.meta_ptr("seq_len")), P(part), I(window), I(ex.max_pages)])
-    ex._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(part), P(out), I(splits)])
+    ex._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(part), P(out), I(splits), I(0)])
     got = dev.get(out, (b, s.n_heads, s.head_dim), np.uint16)
     for i, n in enumerate(lens):
         ref = attention(q[i][None], ks[i], vs[i], np.array([n - 1]), s.softmax_scale, window)[0]

@@ -9,7 +9,7 @@ from imp_runtime.spec import ModelSpec, RopeScaling
 EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "rmsnorm_add", "act_gated",
             "qkv_rope_cache", "attn_decode", "attn_decode_merge", "attn_prefill", "gemm_nvfp4", "gemm_bf16",
             "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
-            *[f"gemv_{f}_nb{n}" for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8)]]
+            *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)]]
 
 SHAPES = {
     "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
