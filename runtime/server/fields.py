@@ -81,40 +81,28 @@ def get_bool(obj: dict, name: str, default: bool = False, label: str | None = No
     return v
 
 
-def get_str(obj: dict, name: str, default=None, *, required: bool = False, label: str | None = None):
+def _get_typed(obj: dict, name: str, kind: type, what: str, default, required: bool, label: str | None):
     label = label or name
     v = obj.get(name)
     if v is None:
         if required:
             raise bad_request(label, "this field is required")
         return default
-    if not isinstance(v, str):
-        raise _wrong(label, "a string", v)
+    if not isinstance(v, kind):
+        raise _wrong(label, what, v)
     return v
+
+
+def get_str(obj: dict, name: str, default=None, *, required: bool = False, label: str | None = None):
+    return _get_typed(obj, name, str, "a string", default, required, label)
 
 
 def get_list(obj: dict, name: str, default=None, *, required: bool = False, label: str | None = None):
-    label = label or name
-    v = obj.get(name)
-    if v is None:
-        if required:
-            raise bad_request(label, "this field is required")
-        return default
-    if not isinstance(v, list):
-        raise _wrong(label, "an array", v)
-    return v
+    return _get_typed(obj, name, list, "an array", default, required, label)
 
 
 def get_obj(obj: dict, name: str, default=None, *, required: bool = False, label: str | None = None):
-    label = label or name
-    v = obj.get(name)
-    if v is None:
-        if required:
-            raise bad_request(label, "this field is required")
-        return default
-    if not isinstance(v, dict):
-        raise _wrong(label, "an object", v)
-    return v
+    return _get_typed(obj, name, dict, "an object", default, required, label)
 
 
 def get_stop(obj: dict, name: str, most: int = 16, allow_string: bool = True) -> list[str]:
