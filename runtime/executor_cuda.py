@@ -9,7 +9,12 @@ sampled token ids with `decode_sample`). Prefill runs in chunks of the planned s
 
 Memory layout (all device buffers):
   weights   as stored in the bundle (NVFP4 codes [N, K/2], scales [N, K/16], tscale[1]; bf16; f32)
-  KV pool   [layer][K|V][page][N_KV_HEADS][PAGE_SIZE][HEAD_DIM] bf16; page 0 is the padding page
+  KV pool   [layer][K|V][page][N_KV_HEADS][PAGE_SIZE][HEAD_DIM] fp16; page 0 is the padding page
+            (qkv_rope_cache_f16 writes it, attn_prefill_f16 / attn_decode_f16 read it)
+
+Precision: tensor-core operands are fp16 where the range allows (templates/prelude.cuh.j2): the KV pool and
+q, flash attention's products, and the prefill GEMM's activations for NVFP4 weights (x-plane format XF_F16,
+pre-scaled by 2^-6); bf16 weights keep bf16 activations (XF_BF16). Decode GEMVs take hi/lo x planes.
   tables    block_tables [slots, max_pages] int32; slot 0 is the padding slot
 """
 from __future__ import annotations
@@ -33,7 +38,7 @@ __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
 # batches and all prefill chunks run the GEMM. IMP_GEMV_MAX_ROWS overrides it (measurements).
 GEMV_MAX_ROWS = int(os.environ.get("IMP_GEMV_MAX_ROWS", "16"))
 GEMV_NB = (1, 2, 4, 8, 16)
-XF_BF16, XF_F16X2, XF_BF16X2 = 0, 1, 2      # x-plane formats (templates/prelude.cuh.j2)
+XF_BF16, XF_F16X2, XF_BF16X2, XF_F16 = 0, 1, 2, 3      # x-plane formats (templates/prelude.cuh.j2)
 XF_F16_SCALE = 2.0 ** -6
 # Split-K over atomicAdd makes a GEMM's sums depend on arrival order: run to run, prefill logits then differ in
 # the last bits, which the float32-accurate decode path no longer rounds away (graph replay != eager launches).
@@ -96,6 +101,12 @@ def from_planes(raw: np.ndarray, fmt: int) -> np.ndarray:
 def xfmt(lin) -> int:
     """The x-plane format a decode GEMV over this linear reads."""
     return XF_F16X2 if lin.fmt == "nvfp4" else XF_BF16X2
+
+
+def gfmt(lin) -> int:
+    """The activation format the model path's GEMM over this linear reads: fp16 (pre-scaled) for NVFP4
+    weights (gemm_nvfp4_f16), bf16 for bf16 weights (gemm_bf16)."""
+    return XF_F16 if lin.fmt == "nvfp4" else XF_BF16
 
 
 @dataclass
@@ -174,6 +185,7 @@ class CudaExecutor:
         self.fa_kt = 64 if hd <= 128 else 32
         self.fa_smem = (64 * (hd + 8) + self.fa_kt * (hd + 8) + hd * (self.fa_kt + 8)) * 2
         self.module.set_max_dynamic_smem("attn_prefill", self.fa_smem)
+        self.module.set_max_dynamic_smem("attn_prefill_f16", self.fa_smem)
 
         self._load_weights()
         self._alloc_kv(kv_pages)
@@ -411,9 +423,10 @@ class CudaExecutor:
         self.module.launch(self.stream, name, grid, block, args, smem)
 
     def linear(self, a: int, lin: _Linear, out: int, m: int, mode: int, split_k: bool = False,
-               planes: bool = False) -> None:
+               planes: bool = False, afmt: int = XF_BF16) -> None:
         """out[m, N] (=|+=) a[m, K] @ W^T. mode 0: store, 1: add. planes: a holds x planes in xfmt(lin)
-        (decode, m <= 16: the tensor-core GEMV); otherwise a is bf16 [m, K] (the tensor-core GEMM)."""
+        (decode, m <= 16: the tensor-core GEMV); otherwise a is [m, K] in format afmt (the tensor-core GEMM):
+        XF_BF16 (bf16), or XF_F16 (fp16 of a * 2^-6; NVFP4 weights only; the model path, gfmt(lin))."""
         if planes:
             nb = next(b for b in GEMV_NB if b >= m)
             grid = ((lin.n + 15) // 16,)
@@ -433,9 +446,11 @@ class CudaExecutor:
                 check(cu.cuMemsetD32Async(out, 0, m * lin.n, self.stream))
             mode = 2
         if lin.fmt == "nvfp4":
-            self._launch("gemm_nvfp4", (gx, gy, splits), (256,),
+            self._launch("gemm_nvfp4_f16" if afmt == XF_F16 else "gemm_nvfp4", (gx, gy, splits), (256,),
                          [P(a), P(lin.w), P(lin.scales), P(lin.tscale), P(out), I(m), I(lin.n), I(lin.k), I(mode)])
         else:
+            if afmt != XF_BF16:
+                raise ValueError("bf16 weights take bf16 activations")
             self._launch("gemm_bf16", (gx, gy, splits), (256,), [P(a), P(lin.w), P(out), I(m), I(lin.n), I(lin.k), I(mode)])
 
     def gated(self, a: int, lin: _Linear, out: int, m: int, ofmt: int) -> None:
@@ -453,31 +468,32 @@ class CudaExecutor:
         dec: a decode step of m <= GEMV_MAX_ROWS rows: activations go through x planes into the GEMV."""
         s, sc = self.spec, self.scratch
         x, t, hb, ab = sc["x"], sc["t"], sc["hb"], sc["ab"]
-        fmt = (lambda lin: xfmt(lin)) if dec else (lambda lin: XF_BF16)  # noqa: E731
+        fmt = xfmt if dec else gfmt
         for L in self.layers:
             self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.attn_norm), P(hb), I(fmt(L.qkv))])
-            self.linear(hb, L.qkv, sc["qkv"], m, 0, split_k=True, planes=dec)
-            self._launch("qkv_rope_cache", (m,), (128,),
+            self.linear(hb, L.qkv, sc["qkv"], m, 0, split_k=True, planes=dec, afmt=fmt(L.qkv))
+            self._launch("qkv_rope_cache_f16", (m,), (128,),
                          [P(sc["qkv"]), P(L.qkv_bias), P(L.q_norm), P(L.k_norm), P(L.inv_freq),
                           P(self.meta_ptr("positions")), P(self.meta_ptr("kv_slots")), P(sc["q"]),
                           P(L.k_cache), P(L.v_cache)])
             attention(L)
             if s.sandwich_norm:
-                self.linear(sc["attn"], L.o, t, m, 0, split_k=True, planes=dec)
+                self.linear(sc["attn"], L.o, t, m, 0, split_k=True, planes=dec, afmt=fmt(L.o))
                 self._launch("rmsnorm_add", (m,), (256,), [P(t), P(L.post_attn_norm), P(x)])
             else:
-                self.linear(sc["attn"], L.o, x, m, 1, split_k=True, planes=dec)
+                self.linear(sc["attn"], L.o, x, m, 1, split_k=True, planes=dec, afmt=fmt(L.o))
             self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(L.ffn_norm), P(hb), I(fmt(L.gate_up))])
             if dec:
                 self.gated(hb, L.gate_up, ab, m, xfmt(L.down))
             else:
-                self.linear(hb, L.gate_up, sc["gu"], m, 0, split_k=True)
-                self._launch("act_gated", ((s.intermediate + 255) // 256, m), (256,), [P(sc["gu"]), P(ab)])
+                self.linear(hb, L.gate_up, sc["gu"], m, 0, split_k=True, afmt=gfmt(L.gate_up))
+                self._launch("act_gated_x", ((s.intermediate + 255) // 256, m), (256,),
+                             [P(sc["gu"]), P(ab), I(gfmt(L.down))])
             if s.sandwich_norm:
-                self.linear(ab, L.down, t, m, 0, split_k=True, planes=dec)
+                self.linear(ab, L.down, t, m, 0, split_k=True, planes=dec, afmt=fmt(L.down))
                 self._launch("rmsnorm_add", (m,), (256,), [P(t), P(L.post_ffn_norm), P(x)])
             else:
-                self.linear(ab, L.down, x, m, 1, split_k=True, planes=dec)
+                self.linear(ab, L.down, x, m, 1, split_k=True, planes=dec, afmt=fmt(L.down))
 
     def _embed(self, m: int) -> None:
         sc = self.scratch
@@ -493,8 +509,9 @@ class CudaExecutor:
         x = sc["x"] + row0 * s.hidden * 4
         dec = m <= GEMV_MAX_ROWS
         self._launch("rmsnorm_residual", (m,), (256,), [P(x), P(0), P(self.final_norm), P(sc["hb"]),
-                                                         I(xfmt(self.head) if dec else XF_BF16)])
-        self.linear(sc["hb"], self.head, sc["logits"], m, 0, split_k=True, planes=dec)
+                                                         I(xfmt(self.head) if dec else gfmt(self.head))])
+        self.linear(sc["hb"], self.head, sc["logits"], m, 0, split_k=True, planes=dec,
+                    afmt=xfmt(self.head) if dec else gfmt(self.head))
         if s.final_softcap:
             self._launch("logits_softcap", ((s.vocab_size + 255) // 256, m), (256,), [P(sc["logits"])])
 
@@ -509,11 +526,11 @@ class CudaExecutor:
         self._embed(b)
 
         def attention(L: _Layer) -> None:
-            self._launch("attn_decode", (b, s.n_kv_heads, splits), (128,),
+            self._launch("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
                          [P(sc["q"]), P(L.k_cache), P(L.v_cache), P(sc["block_tables"]), P(self.meta_ptr("seq_slot")),
                           P(self.meta_ptr("seq_len")), P(sc["partial"]), I(L.window), I(self.max_pages)])
             self._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,),
-                         [P(sc["partial"]), P(sc["attn"]), I(splits), I(xfmt(L.o) if dec else XF_BF16)])
+                         [P(sc["partial"]), P(sc["attn"]), I(splits), I(xfmt(L.o) if dec else gfmt(L.o))])
 
         self._layers(b, attention, dec)
         self._head(0, b)
@@ -559,9 +576,9 @@ class CudaExecutor:
             bt_row = sc["block_tables"] + seq.slot * self.max_pages * 4
 
             def attention(L: _Layer, t=t, start=start) -> None:
-                self._launch("attn_prefill", ((t + 63) // 64, s.n_heads), (128,),
-                             [P(sc["q"]), P(L.k_cache), P(L.v_cache), P(bt_row), I(start), I(t), I(L.window), P(sc["attn"])],
-                             smem=self.fa_smem)
+                self._launch("attn_prefill_f16", ((t + 63) // 64, s.n_heads), (128,),
+                             [P(sc["q"]), P(L.k_cache), P(L.v_cache), P(bt_row), I(start), I(t), I(L.window),
+                              P(sc["attn"]), I(gfmt(L.o))], smem=self.fa_smem)
 
             self._layers(t, attention)
             seq.length = start + t
