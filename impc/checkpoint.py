@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from imp_runtime.bundle import bf16_to_f32
+
 
 class CompileError(Exception):
     """An error the user can fix; the CLI prints it as one line and exits non-zero."""
@@ -163,5 +165,5 @@ class SafetensorsFile:
         start, end = info["data_offsets"]
         raw = self.map[self.base + start:self.base + end].view(_ST_DTYPES[info["dtype"]])
         if info["dtype"] == "BF16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            raw = bf16_to_f32(raw)
         return raw.astype(np.float32).reshape(info["shape"])

@@ -15,6 +15,7 @@ from impc.progress import Progress
 from impc.quantize import measure_error, quantize_nvfp4
 from impc.targets import parse_targets
 from impc.write_bundle import check_output_dir, write_bundle
+from imp_runtime.bundle import bf16_to_f32
 from imp_runtime.spec import ModelSpec, is_linear
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -97,7 +98,7 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         elif fmt == "bf16":
             arrays[name] = to_bf16_bits(w)
-            err = measure_error(w, (arrays[name].astype(np.uint32) << 16).view(np.float32))
+            err = measure_error(w, bf16_to_f32(arrays[name]))
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         else:
             arrays[name] = np.ascontiguousarray(w, dtype=np.float32)
