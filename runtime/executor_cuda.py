@@ -184,7 +184,6 @@ class CudaExecutor:
         hd = s.head_dim
         self.fa_kt = 64 if hd <= 128 else 32
         self.fa_smem = (64 * (hd + 8) + self.fa_kt * (hd + 8) + hd * (self.fa_kt + 8)) * 2
-        self.module.set_max_dynamic_smem("attn_prefill", self.fa_smem)
         self.module.set_max_dynamic_smem("attn_prefill_f16", self.fa_smem)
 
         self._load_weights()
@@ -423,10 +422,12 @@ class CudaExecutor:
         self.module.launch(self.stream, name, grid, block, args, smem)
 
     def linear(self, a: int, lin: _Linear, out: int, m: int, mode: int, split_k: bool = False,
-               planes: bool = False, afmt: int = XF_BF16) -> None:
+               planes: bool = False, afmt: int | None = None) -> None:
         """out[m, N] (=|+=) a[m, K] @ W^T. mode 0: store, 1: add. planes: a holds x planes in xfmt(lin)
-        (decode, m <= 16: the tensor-core GEMV); otherwise a is [m, K] in format afmt (the tensor-core GEMM):
-        XF_BF16 (bf16), or XF_F16 (fp16 of a * 2^-6; NVFP4 weights only; the model path, gfmt(lin))."""
+        (decode, m <= 16: the tensor-core GEMV); otherwise a is [m, K] in format afmt (the tensor-core GEMM),
+        which must be gfmt(lin) (the default): XF_F16 (fp16 of a * 2^-6) for NVFP4 weights, XF_BF16 for bf16."""
+        if afmt is None:
+            afmt = gfmt(lin)
         if planes:
             nb = next(b for b in GEMV_NB if b >= m)
             grid = ((lin.n + 15) // 16,)
@@ -446,7 +447,9 @@ class CudaExecutor:
                 check(cu.cuMemsetD32Async(out, 0, m * lin.n, self.stream))
             mode = 2
         if lin.fmt == "nvfp4":
-            self._launch("gemm_nvfp4_f16" if afmt == XF_F16 else "gemm_nvfp4", (gx, gy, splits), (256,),
+            if afmt != XF_F16:
+                raise ValueError("NVFP4 weights take XF_F16 activations")
+            self._launch("gemm_nvfp4_f16", (gx, gy, splits), (256,),
                          [P(a), P(lin.w), P(lin.scales), P(lin.tscale), P(out), I(m), I(lin.n), I(lin.k), I(mode)])
         else:
             if afmt != XF_BF16:

@@ -1,8 +1,11 @@
-"""Each kernel family against its cpu-executor reference, on the GPU, with fresh random inputs and
-poisoned (NaN-filled) outputs. Kernels are specialised by a bundle's dimensions, so each test runs on
-several bundles: head_dim 16 (tiny llama), 128 (qwen3-0.6b shape), 256 (gemma3 shape).
-Tolerances: relative error (max |gpu - ref| / max |ref|) <= 1e-2 for bf16-output kernels and for the NVFP4
-GEMM (bf16 activations) against the same de-quantized NVFP4 values; <= 1e-4 for the decode GEMV, which takes
+"""Each kernel the cuda executor launches against its cpu-executor reference, on the GPU, with fresh random
+inputs and poisoned (NaN-filled) outputs, every output element checked. Kernels are specialised by a bundle's
+dimensions, so each test runs on several bundles: head_dim 16 (tiny llama), 128 (qwen3-0.6b shape), 256
+(gemma3 shape). Activation formats are the executor's (templates/prelude.cuh.j2): XF_F16 (fp16 of x * 2^-6)
+into the GEMM over NVFP4 weights, XF_BF16 into the GEMM over bf16 weights, x planes into the decode GEMV; the
+KV pool and q are fp16 (qkv_rope_cache_f16, attn_decode_f16, attn_prefill_f16).
+Tolerances: relative error (max |gpu - ref| / max |ref|) <= 1e-2 for bf16/fp16-output kernels and for the
+GEMMs against the same de-quantized NVFP4 (or bf16) values; <= 1e-4 for the decode GEMV, which takes
 float32 activations as hi/lo x planes and must follow the float32 cpu reference (NVFP4 blocks with tiny
 scales, whose fp16 products are subnormal, included); x planes themselves within 1e-5 of float32."""
 from __future__ import annotations
@@ -36,6 +39,32 @@ def bf16_bits(a):
 def bf16_round(a):
     from imp_runtime.bundle import bf16_to_f32
     return bf16_to_f32(bf16_bits(a)).reshape(np.shape(a))
+
+
+def f16_round(a):
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def xf16_bits(a):
+    """float32 -> the XF_F16 activation format (fp16 of a * 2^-6) as uint16 bits."""
+    from imp_runtime.executor_cuda import XF_F16_SCALE
+    return (np.asarray(a, np.float32) * np.float32(XF_F16_SCALE)).astype(np.float16).view(np.uint16)
+
+
+def xf16_round(a):
+    """The float32 value an XF_F16 activation holds for a."""
+    from imp_runtime.executor_cuda import XF_F16_SCALE
+    return xf16_bits(a).view(np.float16).astype(np.float32) / np.float32(XF_F16_SCALE)
+
+
+def read_x(dev, p, rows, k, fmt):
+    """An activation buffer of rows x k in x-plane format fmt -> float32 [rows, k]."""
+    from imp_runtime.executor_cuda import XF_BF16, XF_F16, XF_F16_SCALE, from_planes
+    if fmt == XF_BF16:
+        return dev.get(p, (rows, k), np.uint16)
+    if fmt == XF_F16:
+        return dev.get(p, (rows, k), np.float16).astype(np.float32) / np.float32(XF_F16_SCALE)
+    return from_planes(dev.get(p, (2 * rows, k), np.int16).view(np.uint16), fmt)
 
 
 class Dev:
@@ -97,12 +126,15 @@ def test_rmsnorm(ex, dev):
     x = rng.standard_normal((rows, s.hidden)).astype(np.float32) * 3
     res = rng.standard_normal((rows, s.hidden)).astype(np.float32)
     w = rng.standard_normal(s.hidden).astype(np.float32)
-    from imp_runtime.executor_cuda import XF_BF16X2, XF_F16X2, from_planes
+    from imp_runtime.executor_cuda import XF_BF16X2, XF_F16, XF_F16X2, from_planes
     px, pr, pw, po = dev.put(x), dev.put(res), dev.put(w), dev.alloc(rows * s.hidden * 2)
     ex._launch("rmsnorm_residual", (rows,), (256,), [P(px), P(pr), P(pw), P(po), I(0)])
     ref = rms_norm(x + res, w, s.norm_eps)
     assert rel(dev.get(po, (rows, s.hidden), np.uint16), ref) <= TOL
     assert rel(dev.get(px, (rows, s.hidden)), x + res) <= 1e-6
+    px1, ph = dev.put(x + res), dev.alloc(rows * s.hidden * 2)   # XF_F16: the GEMM input for NVFP4 weights
+    ex._launch("rmsnorm_residual", (rows,), (256,), [P(px1), P(0), P(pw), P(ph), I(XF_F16)])
+    assert rel(read_x(dev, ph, rows, s.hidden, XF_F16), ref) <= TOL
     for fmt in (XF_F16X2, XF_BF16X2):           # x planes for the decode GEMV: float32 accuracy
         px2, pp = dev.put(x + res), dev.alloc(2 * rows * s.hidden * 2)
         ex._launch("rmsnorm_residual", (rows,), (256,), [P(px2), P(0), P(pw), P(pp), I(fmt)])
@@ -127,12 +159,14 @@ def test_embedding(ex, dev):
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 17, 100])
 def test_linear(ex, dev, fmt, m):
-    from imp_runtime.executor_cuda import _Linear
+    """The GEMM (prefill, decode above the GEMV's rows) in the executor's activation format: XF_F16 for
+    NVFP4 weights (gemm_nvfp4_f16), bf16 for bf16 weights (gemm_bf16)."""
+    from imp_runtime.executor_cuda import XF_F16, _Linear, gfmt
     from impc.quantize import quantize_nvfp4
     rng = np.random.default_rng(3 + m)
     n, k = 1000, ex.spec.hidden
     w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
-    a = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+    a = rng.standard_normal((m, k)).astype(np.float32)
     if fmt == "nvfp4":
         q = quantize_nvfp4(w)
         wref = q.dequantize()
@@ -140,9 +174,13 @@ def test_linear(ex, dev, fmt, m):
     else:
         wref = bf16_round(w)
         lin = _Linear("bf16", n, k, dev.put(bf16_bits(w)))
-    ref = a @ wref.T
     rows = max(m, 8)
-    pa = dev.put(bf16_bits(np.vstack([a, np.zeros((rows - m, k), np.float32)])))
+    a_pad = np.vstack([a, np.zeros((rows - m, k), np.float32)])
+    if gfmt(lin) == XF_F16:
+        a, pa = xf16_round(a), dev.put(xf16_bits(a_pad))
+    else:
+        a, pa = bf16_round(a), dev.put(bf16_bits(a_pad))
+    ref = a.astype(np.float64) @ wref.T.astype(np.float64)
     out = dev.alloc(rows * n * 4)
     ex.linear(pa, lin, out, m, 0)
     assert rel(dev.get(out, (rows, n))[:m], ref) <= TOL
@@ -222,15 +260,20 @@ def test_gemv_gated(ex, dev, fmt, m):
         assert rel(got, ref) <= TOL_F32, f"output planes {ofmt}"
 
 
-def test_act(ex, dev):
-    from imp_runtime.cuda_driver import P
+@pytest.mark.parametrize("ofmt", ["XF_F16", "XF_BF16"])
+def test_act(ex, dev, ofmt):
+    """act_gated_x: the down projection's GEMM input, XF_F16 (NVFP4 down) or bf16 (bf16 down)."""
+    import imp_runtime.executor_cuda as exc
+    from imp_runtime.cuda_driver import I, P
     from imp_runtime.executor_cpu import gated_act
+    fmt = getattr(exc, ofmt)
     s, rng = ex.spec, np.random.default_rng(4)
     rows = 6
     gu = (rng.standard_normal((rows, 2 * s.intermediate)) * 3).astype(np.float32)
     pg, po = dev.put(gu), dev.alloc(rows * s.intermediate * 2)
-    ex._launch("act_gated", ((s.intermediate + 255) // 256, rows), (256,), [P(pg), P(po)])
-    assert rel(dev.get(po, (rows, s.intermediate), np.uint16), gated_act(gu, s.activation)) <= TOL
+    ex._launch("act_gated_x", ((s.intermediate + 255) // 256, rows), (256,), [P(pg), P(po), I(fmt)])
+    ref = gated_act(gu.astype(np.float64), s.activation)
+    assert rel(read_x(dev, po, rows, s.intermediate, fmt), ref) <= TOL
 
 
 def _pool_layout(ex):
@@ -239,7 +282,7 @@ def _pool_layout(ex):
 
 
 def _write_cache(ex, layer, seq, k, v):
-    """k, v [S, KV, hd] float32 -> the layer's pages of sequence seq (bf16)."""
+    """k, v [S, KV, hd] float32 -> the layer's pages of sequence seq (the pool is fp16)."""
     from imp_runtime.cuda_driver import htod
     kvh, page, hd = _pool_layout(ex)
     L = ex.layers[layer]
@@ -248,17 +291,16 @@ def _write_cache(ex, layer, seq, k, v):
             blk = np.zeros((kvh, page, hd), np.float32)
             part = arr[pi * page:(pi + 1) * page]                  # [n, KV, hd]
             blk[:, :len(part)] = part.transpose(1, 0, 2)
-            htod(base + pg * ex.page_bytes_layer, bf16_bits(blk), ex.stream)
+            htod(base + pg * ex.page_bytes_layer, blk.astype(np.float16), ex.stream)
     ex.synchronize()
 
 
 def _read_slot(ex, base, slot):
-    from imp_runtime.bundle import bf16_to_f32
     from imp_runtime.cuda_driver import dtoh
     kvh, page, hd = _pool_layout(ex)
     slot = int(slot)
-    blk = dtoh(np.empty((kvh, page, hd), np.uint16), base + (slot // page) * ex.page_bytes_layer, ex.stream)
-    return bf16_to_f32(blk).reshape(kvh, page, hd)[:, slot % page]
+    blk = dtoh(np.empty((kvh, page, hd), np.float16), base + (slot // page) * ex.page_bytes_layer, ex.stream)
+    return blk.astype(np.float32)[:, slot % page]
 
 
 def test_qkv_rope_cache(ex, dev):
@@ -280,7 +322,7 @@ def test_qkv_rope_cache(ex, dev):
     ex._send_meta()
     L = ex.layers[0]
     pq, pqkv = dev.alloc(t * s.q_dim * 2), dev.put(qkv)
-    ex._launch("qkv_rope_cache", (t,), (128,),
+    ex._launch("qkv_rope_cache_f16", (t,), (128,),
                [P(pqkv), P(dev.put(bias)), P(dev.put(qn)), P(dev.put(kn)), P(L.inv_freq), P(ex.meta_ptr("positions")),
                 P(ex.meta_ptr("kv_slots")), P(pq), P(L.k_cache), P(L.v_cache)])
     x = qkv + bias
@@ -291,7 +333,7 @@ def test_qkv_rope_cache(ex, dev):
         q, k = rms_norm(q, qn, s.norm_eps), rms_norm(k, kn, s.norm_eps)
     cos, sin = cos_sin(s, 0, pos.astype(np.int64))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    assert rel(dev.get(pq, (t, s.q_dim), np.uint16), q.reshape(t, -1)) <= TOL
+    assert rel(dev.get(pq, (t, s.q_dim), np.float16).astype(np.float32), q.reshape(t, -1)) <= TOL
     for i in range(t):
         assert rel(_read_slot(ex, L.k_cache, slots[i]), k[i]) <= TOL
         assert rel(_read_slot(ex, L.v_cache, slots[i]), v[i]) <= TOL
@@ -302,6 +344,7 @@ def test_qkv_rope_cache(ex, dev):
 def test_attn_decode(ex, dev, window):
     from imp_runtime.cuda_driver import P, I
     from imp_runtime.executor_cpu import attention
+    from imp_runtime.executor_cuda import MAX_SPLITS, XF_BF16, XF_BF16X2, XF_F16, XF_F16X2
     s, rng = ex.spec, np.random.default_rng(6 + window)
     lens = [1, 37, 300, min(700, ex.max_context)]
     b = len(lens)
@@ -313,31 +356,39 @@ def test_attn_decode(ex, dev, window):
         k = rng.standard_normal((n, s.n_kv_heads, s.head_dim)).astype(np.float32)
         v = rng.standard_normal((n, s.n_kv_heads, s.head_dim)).astype(np.float32)
         _write_cache(ex, 1 % s.n_layers, seq, k, v)
-        ks.append(bf16_round(k)), vs.append(bf16_round(v))
-    q = bf16_round(rng.standard_normal((b, s.n_heads, s.head_dim)).astype(np.float32) * 2)
+        ks.append(f16_round(k)), vs.append(f16_round(v))
+    q = f16_round(rng.standard_normal((b, s.n_heads, s.head_dim)).astype(np.float32) * 2)
     mv = ex.meta_view
     mv("seq_slot")[:b] = [ex._seqs[x].slot for x in sids]
     mv("seq_len")[:b] = lens
     ex._send_meta()
     L = ex.layers[1 % s.n_layers]
-    pq, part, out = dev.put(bf16_bits(q)), ex.scratch["partial"], dev.alloc(b * s.q_dim * 2)
+    pq, part = dev.put(q.astype(np.float16)), dev.alloc(ex.mb * s.n_heads * MAX_SPLITS * (s.head_dim + 2) * 4)
     splits = 4
-    ex._launch("attn_decode", (b, s.n_kv_heads, splits), (128,),
+    ex._launch("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
                [P(pq), P(L.k_cache), P(L.v_cache), P(ex.scratch["block_tables"]), P(ex.meta_ptr("seq_slot")),
                 P(ex.meta_ptr("seq_len")), P(part), I(window), I(ex.max_pages)])
-    ex._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(part), P(out), I(splits), I(0)])
-    got = dev.get(out, (b, s.n_heads, s.head_dim), np.uint16)
-    for i, n in enumerate(lens):
-        ref = attention(q[i][None], ks[i], vs[i], np.array([n - 1]), s.softmax_scale, window)[0]
-        assert rel(got[i], ref) <= TOL, f"sequence {i} (length {n})"
+    refs = [attention(q[i][None].astype(np.float64), ks[i].astype(np.float64), vs[i].astype(np.float64),
+                      np.array([n - 1]), s.softmax_scale, window)[0] for i, n in enumerate(lens)]
+    # the o projection's input: x planes (decode GEMV) or the GEMM's format (batches above the GEMV's rows)
+    for ofmt in (XF_F16X2, XF_BF16X2, XF_F16, XF_BF16):
+        out = dev.alloc(2 * b * s.q_dim * 2)
+        ex._launch("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [P(part), P(out), I(splits), I(ofmt)])
+        got = read_x(dev, out, b, s.q_dim, ofmt).reshape(b, s.n_heads, s.head_dim)
+        for i, n in enumerate(lens):
+            assert rel(got[i], refs[i]) <= TOL, f"sequence {i} (length {n}), output format {ofmt}"
     for sid in sids:
         ex.free(sid)
 
 
+@pytest.mark.parametrize("ofmt", ["XF_F16", "XF_BF16"])
 @pytest.mark.parametrize("start,t,window", [(0, 70, 0), (40, 70, 0), (100, 130, 33), (0, 5, 0)])
-def test_attn_prefill(ex, dev, start, t, window):
+def test_attn_prefill(ex, dev, start, t, window, ofmt):
+    """attn_prefill_f16; its output is the o projection's GEMM input: XF_F16 (NVFP4 o) or bf16 (bf16 o)."""
+    import imp_runtime.executor_cuda as exc
     from imp_runtime.cuda_driver import P, I
     from imp_runtime.executor_cpu import attention
+    fmt = getattr(exc, ofmt)
     s, rng = ex.spec, np.random.default_rng(7 + start)
     total = start + t
     sid = ex.new_sequence()
@@ -346,14 +397,16 @@ def test_attn_prefill(ex, dev, start, t, window):
     k = rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32)
     v = rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32)
     _write_cache(ex, 0, seq, k, v)
-    q = bf16_round(rng.standard_normal((t, s.n_heads, s.head_dim)).astype(np.float32) * 2)
+    q = f16_round(rng.standard_normal((t, s.n_heads, s.head_dim)).astype(np.float32) * 2)
     L = ex.layers[0]
-    pq, out = dev.put(bf16_bits(q)), dev.alloc(t * s.q_dim * 2)
+    pq, out = dev.put(q.astype(np.float16)), dev.alloc(t * s.q_dim * 2)
     bt = ex.scratch["block_tables"] + seq.slot * ex.max_pages * 4
-    ex._launch("attn_prefill", ((t + 63) // 64, s.n_heads), (128,),
-               [P(pq), P(L.k_cache), P(L.v_cache), P(bt), I(start), I(t), I(window), P(out)], smem=ex.fa_smem)
-    got = dev.get(out, (t, s.n_heads, s.head_dim), np.uint16)
-    ref = attention(q, bf16_round(k), bf16_round(v), np.arange(start, total), s.softmax_scale, window)
+    ex._launch("attn_prefill_f16", ((t + 63) // 64, s.n_heads), (128,),
+               [P(pq), P(L.k_cache), P(L.v_cache), P(bt), I(start), I(t), I(window), P(out), I(fmt)],
+               smem=ex.fa_smem)
+    got = read_x(dev, out, t, s.q_dim, fmt).reshape(t, s.n_heads, s.head_dim)
+    ref = attention(q.astype(np.float64), f16_round(k).astype(np.float64), f16_round(v).astype(np.float64),
+                    np.arange(start, total), s.softmax_scale, window)
     assert rel(got, ref) <= TOL
     ex.free(sid)
 
