@@ -59,6 +59,19 @@ def U32(v) -> ctypes.c_uint32:
     return ctypes.c_uint32(int(v))
 
 
+_PDL_ATTR = None
+
+
+def _pdl_attr():
+    global _PDL_ATTR
+    if _PDL_ATTR is None:
+        a = cu.CUlaunchAttribute()
+        a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        a.value.programmaticStreamSerializationAllowed = 1
+        _PDL_ATTR = a
+    return _PDL_ATTR
+
+
 class Module:
     """A loaded cubin and its kernels by name."""
 
@@ -78,11 +91,24 @@ class Module:
         check(cu.cuFuncSetAttribute(self.func(name),
                                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
 
-    def launch(self, stream, name: str, grid, block, args, smem: int = 0) -> None:
+    def launch(self, stream, name: str, grid, block, args, smem: int = 0, pdl: bool = False) -> None:
+        """pdl: launch with programmatic stream serialization (Hopper's programmatic dependent launch): the
+        kernel may start before the previous kernel in the stream completes, and must run griddepcontrol.wait
+        (prelude's pdl_wait) before it reads or writes anything an earlier kernel touches."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        check(cu.cuLaunchKernel(self.func(name), *grid, *block, smem, stream, ctypes.addressof(ptrs), 0))
+        if not pdl:
+            check(cu.cuLaunchKernel(self.func(name), *grid, *block, smem, stream, ctypes.addressof(ptrs), 0))
+            return
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = smem
+        cfg.hStream = stream
+        cfg.attrs = [_pdl_attr()]
+        cfg.numAttrs = 1
+        check(cu.cuLaunchKernelEx(cfg, self.func(name), ctypes.addressof(ptrs), 0))
 
 
 class Arena:

@@ -45,6 +45,12 @@ XF_F16_SCALE = 2.0 ** -6
 # So prefill runs without it (deterministic); decode steps above GEMV_MAX_ROWS rows keep it (their GEMMs
 # have small grids and it doubles their speed). IMP_SPLIT_K_ATOMIC=1 turns it on for prefill too.
 SPLIT_K_ATOMIC = os.environ.get("IMP_SPLIT_K_ATOMIC", "0") == "1"
+# Programmatic dependent launch in the decode graphs (sm_90+): the kernels named here run pdl_wait() before
+# touching anything an earlier kernel wrote (templates/prelude.cuh.j2), and the GEMVs load their first weights
+# before it, so each starts while its predecessor finishes. IMP_PDL=0 turns it off (measurements).
+PDL = os.environ.get("IMP_PDL", "1") != "0"
+PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
+               "attn_decode_merge", "logits_softcap", "sample_tokens")
 SPLIT_MIN_KEYS = 256      # decode attention: a split covers at least this many keys (AD_MIN_SPLIT)
 MAX_SPLITS = 16
 
@@ -147,6 +153,7 @@ class _Layer:
 
 class CudaExecutor:
     name = "cuda"
+    _pdl = False              # launches in flight are captured into a decode graph with PDL
 
     def __init__(self, bundle: Bundle, kv_pages: int | None = None, max_seqs: int | None = None,
                  use_graphs: bool = True, device: int = 0):
@@ -196,6 +203,8 @@ class CudaExecutor:
         self.use_graphs = use_graphs
         self._decoding = False
         self.graphs: dict[int, object] = {}
+        # PDL while capturing the decode graphs (their first kernel, the embedding gather, launches plainly)
+        self.pdl = PDL and major >= 9
         self._graph_handles: list = []
         check(cu.cuStreamSynchronize(self.stream))
         if use_graphs:
@@ -419,7 +428,8 @@ class CudaExecutor:
     # ------------------------------------------------------------------ kernels
 
     def _launch(self, name, grid, block, args, smem=0):
-        self.module.launch(self.stream, name, grid, block, args, smem)
+        pdl = self._pdl and name.startswith(PDL_KERNELS)
+        self.module.launch(self.stream, name, grid, block, args, smem, pdl=pdl)
 
     def linear(self, a: int, lin: _Linear, out: int, m: int, mode: int, split_k: bool = False,
                planes: bool = False, afmt: int | None = None) -> None:
@@ -546,9 +556,11 @@ class CudaExecutor:
     def _capture(self, b: int) -> None:
         st = self.stream
         check(cu.cuStreamBeginCapture(st, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        self._pdl = self.pdl
         try:
             self._decode_launches(b)
         finally:
+            self._pdl = False
             graph = check(cu.cuStreamEndCapture(st))
         gexec = check(cu.cuGraphInstantiate(graph, 0))
         self.graphs[b] = gexec
