@@ -77,63 +77,123 @@ class Engine:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, tools, **kwargs))
 
+    def start(self, prompt_ids: list[int], params: SamplingParams,
+              constraint: Constraint | None = None) -> "Generation":
+        """Check a request and prefill it; then `next_event` / `decode_batch` drive it."""
+        g = Generation(self, prompt_ids, params, constraint)
+        try:
+            g.prefill()
+        except BaseException:
+            g.close()
+            raise
+        return g
+
+    def decode_batch(self, gens: list["Generation"]) -> None:
+        """One decode step for every generation that has a pending token, as ONE executor batch:
+        continuous batching (sequences join and leave between steps)."""
+        gens = [g for g in gens if g.pending is not None]
+        if not gens:
+            return
+        with self.lock:
+            logits = self.executor.decode([g.sid for g in gens], [g.pending for g in gens])
+        for g, row in zip(gens, logits):
+            g.logits, g.pending = row, None
+
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  constraint: Constraint | None = None) -> Iterator[TokenEvent]:
         """Yield one TokenEvent per generated token; the last carries finish_reason. Closing the
         iterator early (a client went away) frees the sequence's KV cache."""
+        g = Generation(self, prompt_ids, params, constraint)
+        try:
+            g.prefill()
+            while True:
+                ev = g.next_event()
+                yield ev
+                if ev.finish_reason:
+                    return
+                self.decode_batch([g])
+        finally:
+            g.close()
+
+
+class Generation:
+    """One request's generation: its sequence in the executor, its sampler, its detokenizer and the
+    stop-string hold-back. `next_event` samples from the latest logits; the token it returns becomes
+    `pending` until a decode step (`Engine.decode_batch`, possibly shared with other generations)
+    turns it into the next logits."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 constraint: Constraint | None):
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        if len(prompt_ids) >= engine.max_context:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
-        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
-        sampler = Sampler(params, prompt_ids)
-        detok = self.tokenizer.detokenizer()
-        stops = [s for s in params.stop if s]
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_ids)
-        held = ""            # text not yet released: it might be the start of a stop string
-        ex = self.executor
-        with self.lock:
-            sid = ex.new_sequence()
-        try:
-            with self.lock:
-                logits = ex.prefill(sid, list(prompt_ids))
-            for n in range(1, budget + 1):
-                allowed = constraint.allowed() if constraint else None
-                tok, scored = sampler.sample(logits, allowed)
-                if constraint:
-                    constraint.advance(tok)
-                lp, top = None, []
-                if params.logprobs is not None:
-                    ls = log_softmax(scored)
-                    lp = float(ls[tok])
-                    if params.logprobs > 0:
-                        idx = np.argsort(-ls)[:params.logprobs]
-                        top = [(int(i), float(ls[i])) for i in idx]
-                if tok in stop_ids:
-                    yield TokenEvent(tok, held, lp, top, "stop")
-                    return
-                held += detok.add(tok)
-                finish = None
-                cut = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    yield TokenEvent(tok, held[:cut], lp, top, "stop")
-                    return
-                if constraint and constraint.is_done():
-                    finish = "stop"
-                elif n == budget:
-                    finish = "length"
-                keep = 0 if finish else _stop_prefix_len(held, stops)
-                text, held = held[:len(held) - keep], held[len(held) - keep:]
-                yield TokenEvent(tok, text, lp, top, finish)
-                if finish:
-                    return
-                with self.lock:
-                    logits = ex.decode([sid], [tok])[0]
-        finally:
-            with self.lock:
-                ex.free(sid)
+        self.engine, self.prompt_ids, self.params, self.constraint = engine, list(prompt_ids), params, constraint
+        self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
+        self.sampler = Sampler(params, prompt_ids)
+        self.detok = engine.tokenizer.detokenizer()
+        self.stops = [s for s in params.stop if s]
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.tokenizer.eos_ids)
+        self.held = ""                 # text not yet released: it might be the start of a stop string
+        self.n = 0                     # tokens sampled so far
+        self.sid: int | None = None
+        self.logits: np.ndarray | None = None
+        self.pending: int | None = None
+        self.finished = False
+
+    def prefill(self) -> None:
+        ex = self.engine.executor
+        with self.engine.lock:
+            self.sid = ex.new_sequence()
+            self.logits = ex.prefill(self.sid, self.prompt_ids)
+
+    def next_event(self) -> TokenEvent:
+        """Sample the next token from the current logits and say what text it adds."""
+        p, constraint = self.params, self.constraint
+        self.n += 1
+        allowed = constraint.allowed() if constraint else None
+        tok, scored = self.sampler.sample(self.logits, allowed)
+        self.logits = None
+        if constraint:
+            constraint.advance(tok)
+        lp, top = None, []
+        if p.logprobs is not None:
+            ls = log_softmax(scored)
+            lp = float(ls[tok])
+            if p.logprobs > 0:
+                idx = np.argsort(-ls)[:p.logprobs]
+                top = [(int(i), float(ls[i])) for i in idx]
+        if tok in self.stop_ids:
+            return self._finish(TokenEvent(tok, self.held, lp, top, "stop"))
+        self.held += self.detok.add(tok)
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            return self._finish(TokenEvent(tok, self.held[:cut], lp, top, "stop"))
+        finish = None
+        if constraint and constraint.is_done():
+            finish = "stop"
+        elif self.n == self.budget:
+            finish = "length"
+        keep = 0 if finish else _stop_prefix_len(self.held, self.stops)
+        text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if finish:
+            return self._finish(TokenEvent(tok, text, lp, top, finish))
+        self.pending = tok
+        return TokenEvent(tok, text, lp, top, None)
+
+    def _finish(self, ev: TokenEvent) -> TokenEvent:
+        self.finished = True
+        return ev
+
+    def close(self) -> None:
+        """Free the sequence's KV cache (idempotent)."""
+        if self.sid is not None:
+            with self.engine.lock:
+                self.engine.executor.free(self.sid)
+            self.sid = None
+        self.pending = None
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -1,11 +1,11 @@
 """A fair queue of generations, run off the event loop.
 
-One worker thread owns the engine. Requests wait in FIFO order for one of `max_running` slots; the
-worker then gives each running generation one token per turn, round-robin, so several clients all make
-progress and none starves. Events cross to the event loop with `call_soon_threadsafe`. A cancelled job
-(its client left) has its generator closed on the worker's next turn, which frees its KV cache.
-
-This is the seam continuous batching replaces later: the interface (submit, events, cancel) stays.
+One worker thread owns the engine. Requests wait in FIFO order for one of `max_running` slots. Each
+turn the worker runs ONE decode step for every running generation together (continuous batching:
+`Engine.decode_batch`, one executor batch, so on the GPU one graph replay serves them all), then
+prefills the requests that just got a slot; every running generation gets one token per turn, so all
+clients make progress and none starves. Events cross to the event loop with `call_soon_threadsafe`.
+A cancelled job (its client left) is retired on the worker's next turn, which frees its KV cache.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
-from imp_runtime.engine import Constraint, Engine, RequestError, TokenEvent
+from imp_runtime.engine import Constraint, Engine, Generation, RequestError, TokenEvent
 from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.errors import APIError
 from imp_runtime.server.metrics import Metrics
@@ -36,7 +36,7 @@ class Job:
     cancelled: bool = False
     done: bool = False                       # the consumer has seen the last event (or the error)
     generated: int = 0                       # tokens produced so far (their KV is held)
-    gen: Iterator[TokenEvent] | None = None
+    generation: Generation | None = None
     t_last: float = 0.0
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
@@ -99,7 +99,7 @@ class FairQueue:
 
     def kv_pages_in_use(self) -> int:
         with self.cond:
-            return sum(-(-(len(j.prompt_ids) + j.generated) // self.page_size) for j in self.running if j.gen)
+            return sum(-(-(len(j.prompt_ids) + j.generated) // self.page_size) for j in self.running if j.generation)
 
     # --- the worker thread ---
 
@@ -120,25 +120,43 @@ class FairQueue:
                     self.running.append(self.waiting.popleft())
                 self._gauges()
                 turn = list(self.running)
-            for job in turn:
-                self._step(job)
+            self._turn(turn)
 
-    def _step(self, job: Job) -> None:
-        if job.cancelled:
-            self._retire(job)
-            return
+    def _turn(self, turn: list[Job]) -> None:
+        for job in turn:
+            if job.cancelled:
+                self._retire(job)
+        live = [j for j in turn if not j.cancelled]
+        stepping = [j for j in live if j.generation is not None]
+        joining = [j for j in live if j.generation is None]      # decided now: retiring clears .generation
+        if stepping:
+            try:
+                self.engine.decode_batch([j.generation for j in stepping])
+            except Exception as e:  # noqa: BLE001 - a bug, not the clients' fault: tell them, keep serving
+                log.exception("decode step failed")
+                for job in stepping:
+                    self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
+                stepping = []
+        for job in stepping:
+            self._emit(job)
+        for job in joining:
+            try:
+                job.generation = self.engine.start(job.prompt_ids, job.params, job.constraint)
+            except RequestError as e:
+                self._fail(job, APIError(400, str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001
+                log.exception("prefill failed")
+                self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
+                continue
+            self._emit(job)
+
+    def _emit(self, job: Job) -> None:
         try:
-            if job.gen is None:
-                job.gen = self.engine.generate(job.prompt_ids, job.params, job.constraint)
-            ev = next(job.gen)
-        except RequestError as e:
-            self._deliver(job, APIError(400, str(e)))
-            self._retire(job)
-            return
-        except Exception as e:  # a bug, not the client's fault: log it, tell the client, keep serving
-            log.exception("generation failed")
-            self._deliver(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-            self._retire(job)
+            ev = job.generation.next_event()
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint that cannot continue
+            log.exception("sampling failed")
+            self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
             return
         now = time.perf_counter()
         if job.generated == 0:
@@ -153,6 +171,10 @@ class FairQueue:
         if ev.finish_reason:
             self._retire(job)
 
+    def _fail(self, job: Job, error: APIError) -> None:
+        self._deliver(job, error)
+        self._retire(job)
+
     def _deliver(self, job: Job, item) -> None:
         try:
             job.loop.call_soon_threadsafe(job.events.put_nowait, item)
@@ -160,9 +182,9 @@ class FairQueue:
             job.cancelled = True
 
     def _close(self, job: Job) -> None:
-        if job.gen is not None:
-            job.gen.close()        # runs Engine.generate's finally: the sequence's KV is freed
-            job.gen = None
+        if job.generation is not None:
+            job.generation.close()     # frees the sequence's KV cache
+            job.generation = None
 
     def _retire(self, job: Job) -> None:
         self._close(job)
