@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check the device run executes (H200). Bundles are compiled on the build machine (nvcc wheels)
+# The GPU check the device run executes (H200). Bundles are compiled on the build machine (nvcc wheels) by
+# scripts/build_gpu_check_bundles.sh
 # and carried: build/gpu-bundles (tiny + synthetic test bundles), build/syn-* (8B-shape synthetic bundles).
 # SmolLM2's bundle (~115 MB) is over one call's 64 MiB carry limit, so it travels split in two calls back to
 # back while the machine is warm (its /tmp survives 30 s between calls):
