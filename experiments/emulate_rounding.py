@@ -1,5 +1,5 @@
 """Emulate the GPU executor's rounding points on the cpu reference (SmolLM2, build/smollm2), to see which
-rounding moves the logits: `python scripts/emulate_rounding.py CONFIG...` (the configs are named below)."""
+rounding moves the logits: `python experiments/emulate_rounding.py CONFIG...` (the configs are named below)."""
 import sys, numpy as np
 sys.path.insert(0, '.')
 from imp_runtime.engine import Engine
