@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build every bundle scripts/gpu_check.sh carries to the GPU machine, with the current templates, on a
-# machine with the compiler wheels. SmolLM2's bundle (~111 MiB) is over one device call's 64 MiB carry
-# limit, so it is split in two: build/smol-a (manifest, tokenizer, cubin, the first 54,000,000 bytes of
+# machine with the compiler wheels. SmolLM2's bundle (~111 MiB) is over the 64 MiB we can send to the GPU
+# machine at a time, so it is split in two: build/smol-a (manifest, tokenizer, cubin, the first 54,000,000 bytes of
 # weights) for phase a and build/smol-b (the rest) for phase b, which reassembles it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

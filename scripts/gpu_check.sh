@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check the device run executes (H200). Bundles are compiled on the build machine (nvcc wheels) by
-# scripts/build_gpu_check_bundles.sh
-# and carried: build/gpu-bundles (tiny + synthetic test bundles), build/syn-* (8B-shape synthetic bundles).
-# SmolLM2's bundle (~115 MB) is over one call's 64 MiB carry limit, so it travels split in two calls back to
-# back while the machine is warm (its /tmp survives 30 s between calls):
-#   phase a: carries build/smol-a (manifest, tokenizer, cubin, first 58 MB of weights) and stashes it in
+# The GPU check run on the GPU machine (H200). Bundles are compiled on the build machine (nvcc wheels) by
+# scripts/build_gpu_check_bundles.sh and sent along: build/gpu-bundles (tiny + synthetic test bundles),
+# build/syn-* (8B-shape synthetic bundles). SmolLM2's bundle (~111 MiB) is over the 64 MiB we can send at a
+# time, so it goes in two runs back to back (the GPU machine's /tmp keeps the first half in between):
+#   phase a: takes build/smol-a (manifest, tokenizer, cubin, first 54,000,000 bytes of weights) and stashes it in
 #            /tmp/imp-smol; runs the kernel tests, the tiny-model tests and the synthetic-bundle benches.
-#   phase b: carries build/smol-b (the rest of the weights), reassembles /tmp/imp-smol/smollm2 and runs
+#   phase b: takes build/smol-b (the rest of the weights), reassembles /tmp/imp-smol/smollm2 and runs
 #            the SmolLM2 tests and bench.
 # Usage: scripts/gpu_check.sh a|b|all [bench runs]
 set -uo pipefail

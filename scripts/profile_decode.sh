@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Profile batch-1 decode GEMVs on the lent H200 (one device call): ncu on one eager decode step of a bundle
+# Profile batch-1 decode GEMVs on an H200 (one run): ncu on one eager decode step of a bundle
 # (default build/syn-qwen3-8b): the GEMVs of the first two layers, with IMP_GEMV_PIPE=0 and =1 (an A/B switch
 # the executor may or may not have: the same kernels then); a per-kernel duration list of the whole step; the
 # GEMV microbenchmark; and a b1/b8 bench for each IMP_GEMV_PIPE in $AB (default "0 1").
-# Writes $OUT/ncu-*.csv, step-kernels.txt, micro.txt, ab.txt; ~60-90 s on a warm H200 (2026-11-30).
+# Writes $OUT/ncu-*.csv, step-kernels.txt, micro.txt, ab.txt; ~60-90 s on an H200 (2026-11-30).
 # Usage: scripts/profile_decode.sh [bundle]
 set -uo pipefail
 B=${1:-build/syn-qwen3-8b}
