@@ -156,24 +156,29 @@ def test_embedding(ex, dev):
     assert rel(dev.get(px, (7, s.hidden)), bf16_round(table)[tokens] * np.float32(s.embed_scale)) <= 1e-6
 
 
+def random_linear(dev, rng, fmt: str, n: int, k: int, tiny_rows: int = 0):
+    """Random weights [n, k] with varied row scales (the first tiny_rows scaled by 1e-4, so their block
+    scales sit far below the tensor's), on the device in `fmt`; returns (exact float32 values, _Linear)."""
+    from imp_runtime.executor_cuda import _Linear
+    from impc.quantize import quantize_nvfp4
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+    w[:tiny_rows] *= 1e-4
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(w)
+        return q.dequantize(), _Linear("nvfp4", n, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
+    return bf16_round(w), _Linear("bf16", n, k, dev.put(bf16_bits(w)))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 17, 100])
 def test_linear(ex, dev, fmt, m):
     """The GEMM (prefill, decode above the GEMV's rows) in the executor's activation format: XF_F16 for
     NVFP4 weights (gemm_nvfp4_f16), bf16 for bf16 weights (gemm_bf16)."""
-    from imp_runtime.executor_cuda import XF_F16, _Linear, gfmt
-    from impc.quantize import quantize_nvfp4
+    from imp_runtime.executor_cuda import XF_F16, gfmt
     rng = np.random.default_rng(3 + m)
     n, k = 1000, ex.spec.hidden
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+    wref, lin = random_linear(dev, rng, fmt, n, k)
     a = rng.standard_normal((m, k)).astype(np.float32)
-    if fmt == "nvfp4":
-        q = quantize_nvfp4(w)
-        wref = q.dequantize()
-        lin = _Linear("nvfp4", n, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
-    else:
-        wref = bf16_round(w)
-        lin = _Linear("bf16", n, k, dev.put(bf16_bits(w)))
     rows = max(m, 8)
     a_pad = np.vstack([a, np.zeros((rows - m, k), np.float32)])
     if gfmt(lin) == XF_F16:
@@ -202,22 +207,13 @@ def test_linear(ex, dev, fmt, m):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11, 16])
 def test_gemv(ex, dev, fmt, m):
     """The decode GEMV: float32 activations (as x planes) times NVFP4 or bf16 weights, against float64."""
-    from imp_runtime.executor_cuda import GEMV_MAX_ROWS, _Linear, to_planes, xfmt
-    from impc.quantize import quantize_nvfp4
+    from imp_runtime.executor_cuda import GEMV_MAX_ROWS, to_planes, xfmt
     if m > GEMV_MAX_ROWS:
         pytest.skip("batch above the GEMV's rows")
     rng = np.random.default_rng(30 + m)
     n, k = 1000, ex.spec.hidden
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
-    w[:40] *= 1e-4                                  # tiny rows: block scales far below the tensor's
+    wref, lin = random_linear(dev, rng, fmt, n, k, tiny_rows=40)
     a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
-    if fmt == "nvfp4":
-        q = quantize_nvfp4(w)
-        wref = q.dequantize()
-        lin = _Linear("nvfp4", n, k, dev.put(q.codes), dev.put(q.scales), dev.put(q.tscale))
-    else:
-        wref = bf16_round(w)
-        lin = _Linear("bf16", n, k, dev.put(bf16_bits(w)))
     ref = a.astype(np.float64) @ wref.T.astype(np.float64)
     pa = dev.put(to_planes(a, xfmt(lin)))
     out = dev.alloc(max(m, 16) * n * 4)
