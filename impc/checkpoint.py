@@ -14,11 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from impc.errors import CompileError  # noqa: F401  (re-exported: loaders raise it)
 from imp_runtime.bundle import bf16_to_f32
-
-
-class CompileError(Exception):
-    """An error the user can fix; the CLI prints it as one line and exits non-zero."""
 
 
 @dataclass

@@ -20,6 +20,13 @@ def _add_compile(sub) -> None:
     p.add_argument("--quant-head", action="store_true", help="store an untied output head in NVFP4 too (default bf16)")
     p.add_argument("--scale-search", action="store_true",
                    help="search each block's E4M3 scale for the least squared error (default: amax / 6)")
+    p.add_argument("--no-calib", dest="calibrate", action="store_false",
+                   help="round NVFP4 to nearest, without calibration (faster; default: GPTQ on calibration data)")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration data: a text file, or a .json list of chat conversations (default: built in)")
+    p.add_argument("--budget", default="1.3", metavar="X|GiB",
+                   help="weight bytes: a factor of the all-NVFP4 bytes, or a size like 0.2GiB; the tensors whose "
+                        "quantization costs most accuracy stay bf16 within it (default 1.3; 1 for all NVFP4)")
     p.add_argument("--target", default=None,
                    help="GPU targets, comma-separated (default sm_90a,sm_120a); 'none' for a cpu-only bundle")
     p.add_argument("--vram", type=float, default=None, metavar="GiB",
@@ -27,7 +34,14 @@ def _add_compile(sub) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="longest sequence in tokens (default: the model's, at most 32768)")
     p.add_argument("--max-batch", type=int, default=64, metavar="N", help="most sequences decoded at once (default 64)")
-    p.add_argument("--name", default=None, help="model name the bundle serves under (default: the folder name)")
+    p.add_argument("--name", default=None,
+                   help="model name the bundle serves under (default: the checkpoint's file or folder name)")
+    p.add_argument("--gemv-max-rows", type=int, default=16, metavar="N", choices=[0, 1, 2, 4, 8, 16],
+                   help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default 16)")
+    p.add_argument("--no-pdl", dest="pdl", action="store_false",
+                   help="no programmatic dependent launch in the decode graphs (default: on)")
+    p.add_argument("--prefill-split-k", action="store_true",
+                   help="atomic split-K in prefill GEMMs: faster small chunks, not bitwise reproducible (default off)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
@@ -59,7 +73,11 @@ def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="describe a bundle",
                        description="Model, dimensions, quantization and its error, memory plan, targets, kernels, hashes.")
     p.add_argument("bundle", type=Path)
-    p.add_argument("--json", action="store_true", help="print the whole manifest")
+    p.add_argument("--json", action="store_true", help="print the whole manifest (with --program: the program's launches)")
+    p.add_argument("--program", action="store_true",
+                   help="print the launch program: per decode bucket and prefill chunk, every launch with its grid "
+                        "and the bytes it reads and writes")
+    p.add_argument("--target", default=None, help="which target's program (default: the bundle's first)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     _add_run(sub)
     _add_inspect(sub)
-    for extra in ("impc.cli_serve", "impc.cli_bench"):     # commands from later stages, where present
+    for extra in ("impc.cli_serve", "impc.cli_bench", "impc.cli_eval"):     # commands from later stages, where present
         try:
             __import__(extra, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -84,11 +102,13 @@ def cmd_compile(a) -> int:
     from impc.progress import Progress
 
     if (a.model is None) == (a.synthetic is None):
-        from impc.checkpoint import CompileError
+        from impc.errors import CompileError
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
-                          quant_head=a.quant_head, scale_search=a.scale_search, targets=a.target, vram_gib=a.vram,
-                          max_context=a.max_context, max_batch=a.max_batch, name=a.name)
+                          quant_head=a.quant_head, scale_search=a.scale_search, calibrate=a.calibrate,
+                          calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
+                          max_context=a.max_context, max_batch=a.max_batch, name=a.name,
+                          gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))
@@ -164,6 +184,8 @@ def cmd_inspect(a) -> int:
 
     b = load_bundle(a.bundle)
     m = b.manifest
+    if a.program:
+        return _inspect_program(b, a.target, a.json)
     if a.json:
         print(json.dumps(m, indent=1, sort_keys=True))
         return 0
@@ -197,11 +219,47 @@ def cmd_inspect(a) -> int:
     return 0
 
 
+def _inspect_program(bundle, target: str | None, as_json: bool) -> int:
+    """The compiler's disassembly: each decode bucket's and the prefill chunk's launches."""
+    import json
+
+    from imp_runtime.bundle import BundleError
+    from imp_runtime.program import evaluate
+
+    k = bundle.manifest["kernels"]
+    if not k["targets"]:
+        raise BundleError(f"{bundle.path}: a cpu-only bundle has no launch program")
+    prog = bundle.program(target or k["targets"][0])
+    target = prog.target
+    buckets = []
+    for ph in prog.phases:
+        if ph.phase not in ("decode", "prefill"):
+            continue
+        env = dict(prog.symbols, rows=ph.tokens)
+        buckets.append({"phase": ph.phase, "tokens": ph.tokens, "launches": [
+            {"kernel": x.kernel, "grid": [evaluate(g, env) for g in x.grid], "block": list(x.block), "smem": x.smem,
+             "reads": sum(n for _, n in x.reads), "writes": sum(n for _, n in x.writes)} for x in ph.launches]})
+    if as_json:
+        print(json.dumps({"target": target, "buckets": buckets}, indent=1))
+        return 0
+    print(f"launch program for {target}: arena {prog.arena_bytes / 2**30:.2f} GiB, options {prog.options} "
+          f"(attention's KV reads grow with the context and are not counted)")
+    for bk in buckets:
+        reads = sum(x["reads"] for x in bk["launches"])
+        writes = sum(x["writes"] for x in bk["launches"])
+        print(f"{bk['phase']} {bk['tokens']}: {len(bk['launches'])} launches, reads {reads / 2**20:.2f} MiB, "
+              f"writes {writes / 2**20:.2f} MiB")
+        for i, x in enumerate(bk["launches"]):
+            print(f"  {i:4d} {x['kernel']:26s} grid {str(tuple(x['grid'])):16s} block {str(tuple(x['block'])):14s} "
+                  f"smem {x['smem']:6d}  reads {x['reads']:>11,d}  writes {x['writes']:>11,d}")
+    return 0
+
+
 COMMANDS = {"compile": cmd_compile, "run": cmd_run, "inspect": cmd_inspect}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from impc.checkpoint import CompileError
+    from impc.errors import CompileError
     from imp_runtime.bundle import BundleError
     from imp_runtime.chat_template import TemplateError
     from imp_runtime.engine import RequestError

@@ -1,7 +1,8 @@
 """`impc bench BUNDLE`: decode and prefill throughput of a bundle on the GPU it runs on.
 
-Reports decode tok/s at several batch sizes (tg: tokens generated per sequence after a short prompt,
-greedy on the GPU sampler, graph replay), prefill tok/s (pp: one prompt of that many tokens, chunked as
+Reports decode tok/s at several batch sizes (tg: tokens generated per sequence after a short prompt; each
+step is the executor's `decode`, the step the server runs: step values in, one graph replay with the
+GPU sampler, the sampled ids back), prefill tok/s (pp: one prompt of that many tokens, chunked as
 planned), time to first token (a 128-token prompt to its first token id on the host), load time, GPU
 memory, and the weight bandwidth decode achieves at batch 1 as a fraction of the device-to-device copy
 bandwidth measured in the same run (bytes read + written per second). Each figure is the median of
@@ -24,7 +25,6 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", default="128,512,4096", help="prefill lengths (default 128,512,4096)")
     p.add_argument("--prompt", type=int, default=16, help="prompt length before a decode run (default 16)")
     p.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
-    p.add_argument("--kv-pages", type=int, default=None, help="cap the KV pool (default: the plan's)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(handler=cmd_bench)
 
@@ -65,12 +65,15 @@ def decode_weight_bytes(bundle) -> int:
 
 
 def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], prompt: int, runs: int,
-              kv_pages: int | None = None, log=lambda s: None) -> dict:
+              log=lambda s: None) -> dict:
     import numpy as np
 
     from imp_runtime.bundle import load_bundle
     from imp_runtime.cuda_driver import check, cu
+    from imp_runtime.executor import StepRow
     from imp_runtime.executor_cuda import CudaExecutor, gpu_available
+    from imp_runtime.kv_blocks import BlockManager, BlockTable
+    from imp_runtime.sampler import SamplingParams
 
     if not gpu_available():
         raise SystemExit("impc bench: no NVIDIA GPU with a working driver")
@@ -81,48 +84,58 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
     log(f"device copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     t0 = time.perf_counter()
     bundle = load_bundle(bundle_path)
-    ex = CudaExecutor(bundle, kv_pages=kv_pages)
+    ex = CudaExecutor(bundle)
     load_s = time.perf_counter() - t0
     log(f"loaded {bundle.name} on {ex.gpu_name} ({ex.target}) in {load_s:.2f} s")
+    blocks = BlockManager(ex.num_pages, ex.page_size)
     rng = np.random.default_rng(0)
     vocab = bundle.spec.vocab_size
+    greedy = SamplingParams(temperature=0.0)
     res: dict = {"bundle": bundle.name, "gpu": ex.gpu_name, "target": ex.target, "load_s": load_s,
                  "copy_bandwidth_Bps": bw, "decode": {}, "prefill": {}, "runs": runs,
-                 "weights_bytes": ex.weights_bytes, "decode_weight_bytes": decode_weight_bytes(bundle)}
-    # decode
+                 "weights_bytes": ex.memory()["weights_bytes"], "decode_weight_bytes": decode_weight_bytes(bundle)}
+
+    def sequence(n_tokens: int) -> tuple[int, BlockTable]:
+        sid, table = ex.new_sequence(), BlockTable()
+        if not blocks.grow(table, n_tokens):
+            raise SystemExit(f"impc bench: the KV pool cannot hold {n_tokens} more tokens")
+        ex.set_pages(sid, table.pages)
+        return sid, table
+
+    def release(sid: int, table: BlockTable) -> None:
+        ex.free(sid)
+        blocks.release(table)
+
     for b in batches:
         if b > ex.max_batch:
             continue
         rates = []
         for _ in range(runs):
-            sids = [ex.new_sequence() for _ in range(b)]
-            toks = []
-            for sid in sids:
-                logits = ex.prefill(sid, rng.integers(3, vocab, prompt).tolist())
-                toks.append(int(np.argmax(logits)))
-            ex.decode_sample(sids, toks)           # warm
-            t = time.perf_counter()
-            for _ in range(tg):
-                toks = ex.decode_sample(sids, toks)
+            seqs = [sequence(prompt + tg + 2) for _ in range(b)]
+            toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
+            pos = prompt
+            for i in range(tg + 1):                    # the first step warms up
+                if i == 1:
+                    t = time.perf_counter()
+                toks = ex.decode([StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]).tokens
+                pos += 1
             dt = time.perf_counter() - t
             rates.append(b * tg / dt)
-            for sid in sids:
-                ex.free(sid)
+            for seq in seqs:
+                release(*seq)
         res["decode"][str(b)] = {"tok_s": statistics.median(rates), "step_ms": 1e3 * b / statistics.median(rates)}
         log(f"decode batch {b}: {statistics.median(rates):.1f} tok/s")
-    # prefill
     for pp in pps:
         if pp + 1 > ex.max_context:
             continue
         times = []
         for r in range(runs + 1):
-            sid = ex.new_sequence()
+            seq = sequence(pp)
             toks = rng.integers(3, vocab, pp).tolist()
             t = time.perf_counter()
-            logits = ex.prefill(sid, toks)
-            first = int(np.argmax(logits))
+            int(np.argmax(ex.prefill(seq[0], toks, 0)))
             dt = time.perf_counter() - t
-            ex.free(sid)
+            release(*seq)
             if r:
                 times.append(dt)
         res["prefill"][str(pp)] = {"tok_s": pp / statistics.median(times), "ms": 1e3 * statistics.median(times)}
@@ -172,7 +185,7 @@ def cmd_bench(a) -> int:
     batches = [int(x) for x in a.batches.split(",") if x]
     pps = [int(x) for x in a.pp.split(",") if x]
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, a.kv_pages, log)
+    r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, log)
     r["commit"] = _commit()
     r["date"] = time.strftime("%Y-%m-%d")
     print(json.dumps(r, indent=1) if a.json else format_table(r))

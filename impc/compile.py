@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 
 from impc import __version__
-from impc.checkpoint import CompileError, load_checkpoint
+from impc.checkpoint import load_checkpoint
+from impc.errors import CompileError
 from impc.emit import Emitted, compiler_record, emit, template_hashes
 from impc.families import family_for
+from impc.launches import ProgramOptions, build_program
 from impc.plan import describe, plan_memory
 from impc.progress import Progress
 from impc.quantize import measure_error, quantize_nvfp4
@@ -29,11 +31,20 @@ class CompileOptions:
     quant_embed: bool = False        # NVFP4 for the embedding table too
     quant_head: bool = False         # NVFP4 for an untied output head too
     scale_search: bool = False       # per-block search for the E4M3 scale of least squared error
+    calibrate: bool = True           # GPTQ on calibration activations (nvfp4 only); False: round to nearest
+    calib: str | None = None         # calibration data file (default: impc/data/)
+    budget: str = "1.3"              # weight bytes: a factor of the all-NVFP4 bytes ("1.3") or a size ("0.2GiB")
     targets: str | None = None       # "sm_90a,sm_120a" (default both) or "none"
     vram_gib: float | None = None
     max_context: int | None = None
     max_batch: int = 64
-    name: str | None = None
+    name: str | None = None          # served model name (default: the checkpoint's file or folder name)
+    gemv_max_rows: int = 16          # decode batches up to this many rows run the GEMV, larger the GEMM
+    pdl: bool = True                 # programmatic dependent launch in the decode graphs
+    prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
+
+    def program_options(self) -> ProgramOptions:
+        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
@@ -68,9 +79,11 @@ def describe_spec(spec: ModelSpec) -> str:
             f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e6:.1f}M parameters")
 
 
-def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress) -> tuple[dict[str, str], list[dict], dict]:
-    """Stage 4, before anything is quantized or written: formats, targets, the memory plan."""
-    formats = tensor_formats(spec, opts)
+def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
+               formats: dict[str, str] | None = None) -> tuple[dict[str, str], list[dict], dict]:
+    """Stage 4, before anything is quantized or written: formats, targets, the memory plan (planned
+    again with the formats the byte budget chose, when it widened any)."""
+    formats = formats or tensor_formats(spec, opts)
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
     plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch)
@@ -80,10 +93,17 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress) -> tuple[dict
 
 
 def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: CompileOptions,
-                   p: Progress) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-    """Stage 3: every canonical tensor into its stored format, with the error each introduced."""
+                   p: Progress, checkpoint=None) -> Quantized:
+    """Stage 3: every canonical tensor into its stored format, with the error each introduced. With
+    calibration (NVFP4 and a checkpoint's tokenizer at hand): GPTQ on the calibration activations and
+    the byte budget's choice of tensors kept in bf16 (impc/quantize_calibrated.py)."""
     p.stage(f"quantize ({opts.quant})")
     shapes = spec.tensor_shapes()
+    calibrated = None
+    if opts.calibrate and opts.quant == "nvfp4" and checkpoint is not None:
+        from impc.quantize_calibrated import quantize_calibrated
+        calibrated = quantize_calibrated(spec, tensors, formats, opts, checkpoint, p)
+        tensors, formats = calibrated.weights.items(), calibrated.formats
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, dict] = {}
     for i, (name, w) in enumerate(tensors, 1):
@@ -91,8 +111,10 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
             raise CompileError(f"tensor {name} has shape {tuple(w.shape)}, the config implies {shapes[name]}")
         fmt = formats[name]
         entry: dict = {"format": fmt, "shape": list(w.shape)}
+        if calibrated and name in calibrated.output_error:
+            entry.update(calibrated.output_error[name])
         if fmt == "nvfp4":
-            q = quantize_nvfp4(w, opts.scale_search)
+            q = calibrated.tensors[name] if calibrated and name in calibrated.tensors else quantize_nvfp4(w, opts.scale_search)
             arrays[name + ".codes"], arrays[name + ".scales"], arrays[name + ".tscale"] = q.codes, q.scales, q.tscale
             err = measure_error(w, q.dequantize())
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
@@ -110,7 +132,15 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
     errs = [e["rel_rms"] for e in quant.values() if e["format"] == "nvfp4"]
     if errs:
         p.info(f"NVFP4 error ||W-Q||/||W||: mean {np.mean(errs):.4f}, max {np.max(errs):.4f} over {len(errs)} tensors")
-    return arrays, quant
+    return Quantized(arrays, quant, formats, calibrated.record if calibrated else None)
+
+
+@dataclass
+class Quantized:
+    arrays: dict[str, np.ndarray]      # what the weights file stores, by key
+    tensors: dict[str, dict]           # the manifest's entry per canonical tensor
+    formats: dict[str, str]            # the stored format per tensor (the budget may have widened some)
+    calibration: dict | None           # how calibration and the budget ran, for the manifest
 
 
 def emit_stage(spec: ModelSpec, targets: list[dict], plan: dict, p: Progress) -> list[Emitted]:
@@ -121,26 +151,51 @@ def emit_stage(spec: ModelSpec, targets: list[dict], plan: dict, p: Progress) ->
     return emitted
 
 
+def program_stage(spec: ModelSpec, formats: dict[str, str], targets: list[dict], plan: dict,
+                  emitted: list[Emitted], opts: CompileOptions, p: Progress, seed: int | None = None) -> dict[str, bytes]:
+    """Stage 4b: each target's launch program, validated against its cubin, as the bundle's files."""
+    from imp_runtime.program import dumps
+    files = {}
+    for t, e in zip(targets, emitted):
+        prog = build_program(spec, formats, t, plan, opts.program_options(), set(e.kernels), seed)
+        step = prog.phase("decode", prog.buckets("decode")[0])
+        p.info(f"{t['name']}: launch program, {len(step.launches)} launches a batch-1 decode step, "
+               f"arena {prog.arena_bytes / 2**30:.2f} GiB ({prog.constants['kv_pages']} KV pages)")
+        files[program_file(t["name"])] = dumps(prog).encode()
+    return files
+
+
+def program_file(target: str) -> str:
+    return f"program/{target}.json"
+
+
+def default_name(source: Path) -> str:
+    """The served model name of a checkpoint: its folder's name, or its file's without the extension."""
+    return source.name[:-len(source.suffix)] if source.is_file() and source.suffix else source.name
+
+
 def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str], quant: dict[str, dict],
                    tokenizer: dict, generation: dict, plan: dict, emitted: list[Emitted], source: str,
-                   checkpoint_sha256: str, **extra) -> dict:
+                   checkpoint_sha256: str, calibration: dict | None = None, name: str | None = None, **extra) -> dict:
     return {
-        "name": opts.name or Path(opts.out).name,
+        "name": opts.name or name or source,
         "model": spec.to_dict(),
         **extra,
         "quantization": {"mode": opts.quant, "scale_search": opts.scale_search, "embed": formats["embed"],
-                         "lm_head": formats.get("lm_head", "tied"), "tensors": quant},
+                         "lm_head": formats.get("lm_head", "tied"), "calibration": calibration, "tensors": quant},
         "tokenizer": tokenizer,
         "generation": generation,
         "plan": plan,
         "kernels": {"targets": [e.target for e in emitted],
                     "cubins": {e.target: f"kernels/{e.target}.cubin" for e in emitted},
-                    "functions": {e.target: e.kernels for e in emitted}},
+                    "functions": {e.target: e.kernels for e in emitted},
+                    "programs": {e.target: program_file(e.target) for e in emitted}},
         "build": {"imp_version": __version__, "source": source, "checkpoint_sha256": checkpoint_sha256,
                   "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
-                              "scale_search": opts.scale_search, "targets": [e.target for e in emitted],
+                              "scale_search": opts.scale_search, "calibrate": opts.calibrate,
+                              "calib": Path(opts.calib).name if opts.calib else None, "budget": opts.budget, "targets": [e.target for e in emitted],
                               "vram_gib": opts.vram_gib, "max_context": opts.max_context,
-                              "max_batch": opts.max_batch, **{k: v for k, v in extra.get("synthetic", {}).items()
+                              "max_batch": opts.max_batch, **opts.program_options().to_dict(), **{k: v for k, v in extra.get("synthetic", {}).items()
                                                               if k == "seed"}},
                   "compiler": compiler_record() if emitted else None,
                   "templates": template_hashes()},
@@ -158,8 +213,12 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     spec = family.spec(ck.config)
     p.info(describe_spec(spec))
     formats, targets, plan = plan_stage(spec, opts, p)
-    arrays, quant = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p)
+    q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
+    if q.formats != formats:
+        formats, targets, plan = plan_stage(spec, opts, p, q.formats)
+    arrays, quant = q.arrays, q.tensors
     emitted = emit_stage(spec, targets, plan, p)
+    programs = program_stage(spec, formats, targets, plan, emitted, opts, p)
 
     p.stage(f"write {out}")
     texts = {"tokenizer.json": ck.tokenizer_json}
@@ -169,7 +228,8 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
                  **ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos}
     generation = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, generation, plan, emitted,
-                              source=Path(ck.path).name, checkpoint_sha256=ck.source_hash())
-    write_bundle(out, manifest, arrays, texts, {f"kernels/{e.target}.cubin": e.cubin for e in emitted})
+                              source=Path(ck.path).name, checkpoint_sha256=ck.source_hash(), calibration=q.calibration,
+                              name=default_name(Path(ck.path)))
+    write_bundle(out, manifest, arrays, texts, {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})
     p.stage("done")
     return manifest

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import jinja2
 
-from impc.checkpoint import CompileError
+from impc.cubin import kernel_symbols
+from impc.errors import CompileError, data_dir
 from imp_runtime.spec import ModelSpec
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = data_dir("templates")
 # SASS only, never PTX: a newer PTX may not JIT on an older driver.
 NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
-KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+'
-                       r'(?:__launch_bounds__\([^)]*\)\s+)?(\w+)')
+
 
 
 @dataclass
@@ -119,7 +119,7 @@ def emit(spec: ModelSpec, targets: list[dict], plan: dict) -> list[Emitted]:
     sources = {t["name"]: render(spec, t, plan) for t in targets}
     with ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1))) as pool:
         results = list(pool.map(lambda t: compile_cubin(sources[t["name"]], t, nvcc, version), targets))
-    return [Emitted(t["name"], cubin, sources[t["name"]], KERNEL_RE.findall(sources[t["name"]]), cached)
+    return [Emitted(t["name"], cubin, sources[t["name"]], sorted(kernel_symbols(cubin)), cached)
             for t, (cubin, cached) in zip(targets, results)]
 
 

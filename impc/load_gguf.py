@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from impc.checkpoint import Checkpoint, CompileError
+from impc.checkpoint import Checkpoint
+from impc.errors import CompileError
 
 SUPPORTED = ("gemma3", "llama", "qwen2", "qwen3")   # general.architecture values (mistral is "llama")
 

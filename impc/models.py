@@ -13,7 +13,7 @@ KNOWN_MODELS = {
 def resolve_model_name(model: str) -> Path:
     if model not in KNOWN_MODELS:
         return Path(model)
-    from impc.checkpoint import CompileError
+    from impc.errors import CompileError
 
     package, filename, install = KNOWN_MODELS[model]
     # find_spec without importing: the package's own __init__ needs dependencies we do not install.

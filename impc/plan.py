@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError
 from imp_runtime.nvfp4 import BLOCK, padded_k
 from imp_runtime.spec import ModelSpec
 
 GiB = 1 << 30
-KV_BYTES = 2                 # the KV cache is bf16
-RESERVE_BYTES = 1 * GiB      # CUDA context, cubin, graph pools, allocator slack
-KV_FRACTION = 0.90           # of what is left after weights, scratch and reserve
+KV_BYTES = 2                 # the KV cache is fp16
+RESERVE_BYTES = 3 * GiB // 2   # outside the arena: CUDA context, the cubin, graphs, the runtime's host copies
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -35,22 +34,15 @@ def kv_bytes_per_token(spec: ModelSpec) -> int:
     return 2 * spec.n_layers * spec.kv_dim * KV_BYTES
 
 
-def scratch_bytes(spec: ModelSpec, chunk: int, max_batch: int) -> int:
-    """Activations of the widest step: a prefill chunk or a full decode batch, plus logits."""
-    rows = max(chunk, max_batch)
-    widest = max(spec.q_dim + 2 * spec.kv_dim, 2 * spec.intermediate, spec.hidden)
-    activations = rows * (widest + 3 * spec.hidden) * 4            # float32 residual + bf16 buffers
-    logits = max_batch * spec.vocab_size * 4
-    attn_split = max_batch * spec.n_heads * 64 * (spec.head_dim + 2) * 4   # split-K partials
-    return activations + logits + attn_split
-
-
 def fmt_gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
                 max_context: int | None, max_batch: int) -> dict:
+    """The device arena of each target: weights, scratch and step buffers (impc/launches.py lays them out),
+    and every remaining byte of the target's memory, less a reserve, as KV pages."""
+    from impc.launches import fixed_arena_bytes, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
     ctx = max_context or min(spec.max_position, 32768)
@@ -61,28 +53,32 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
     w_bytes = weights_bytes(spec, formats)
     kv_tok = kv_bytes_per_token(spec)
     plan = {"max_context": ctx, "max_batch": max_batch, "weights_bytes": w_bytes,
-            "kv_bytes_per_token": kv_tok,
+            "kv_bytes_per_token": kv_tok, "max_sequences": max(2 * max_batch, 16) + 1,   # slot 0: padding
             "graph_buckets": [b for b in GRAPH_BUCKETS if b <= max_batch] or [1],
             "targets": {}}
+    if plan["graph_buckets"][-1] < max_batch:
+        plan["graph_buckets"].append(max_batch)
     for t in targets:
         vram = int((vram_gib if vram_gib is not None else t["vram_gib"]) * GiB)
         page = t["page_size"]
         chunk = min(t["prefill_chunk"], ctx)
-        scratch = scratch_bytes(spec, chunk, max_batch)
-        free = vram - w_bytes - scratch - RESERVE_BYTES
+        max_pages = math.ceil(ctx / page)
+        rows, logit_rows = rows_for(chunk, max_batch)
+        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages)
         page_bytes = page * kv_tok
-        pages = int(max(free, 0) * KV_FRACTION) // page_bytes
-        need_pages = math.ceil(ctx / page)
+        budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
+        pages = max(budget, 0) // page_bytes
+        need_pages = max_pages + 1                                           # + the padding page
         if pages < need_pages:
-            need = w_bytes + scratch + RESERVE_BYTES + need_pages * page_bytes / KV_FRACTION
+            need = fixed + RESERVE_BYTES + need_pages * page_bytes
             raise CompileError(
                 f"model does not fit {t['name']}: needs {fmt_gib(need)} (weights {fmt_gib(w_bytes)}, "
                 f"KV for one {ctx}-token sequence {fmt_gib(need_pages * page_bytes)}, scratch "
-                f"{fmt_gib(scratch)}, reserve {fmt_gib(RESERVE_BYTES)}), target has {fmt_gib(vram)}: "
+                f"{fmt_gib(fixed - w_bytes)}, reserve {fmt_gib(RESERVE_BYTES)}), target has {fmt_gib(vram)}: "
                 f"try a smaller --max-context, --quant nvfp4, a larger --vram, or a smaller model")
         plan["targets"][t["name"]] = {
             "vram_bytes": vram, "page_size": page, "kv_pages": pages, "kv_bytes": pages * page_bytes,
-            "kv_tokens": pages * page, "prefill_chunk": chunk, "scratch_bytes": scratch,
+            "kv_tokens": (pages - 1) * page, "prefill_chunk": chunk, "scratch_bytes": fixed - w_bytes,
             "reserve_bytes": RESERVE_BYTES,
         }
     return plan

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from impc.checkpoint import CompileError
-from impc.compile import CompileOptions, build_manifest, describe_spec, emit_stage, plan_stage
+from impc.errors import CompileError
+from impc.compile import CompileOptions, build_manifest, describe_spec, emit_stage, plan_stage, program_stage
 from impc.families import family_for
 from impc.progress import Progress
 from impc.write_bundle import check_output_dir, write_bundle
@@ -50,13 +50,14 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
     emitted = emit_stage(spec, targets, plan, p)
+    programs = program_stage(spec, formats, targets, plan, emitted, opts, p, seed=int(seed))
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
                  "pad_token": None, "unk_token": "<unk>", "eos_token_ids": [2], "add_bos": False}
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, {}, plan, emitted, source=path.name,
-                              checkpoint_sha256="synthetic", synthetic={"seed": int(seed), "config": path.name})
+                              checkpoint_sha256="synthetic", name=path.stem, synthetic={"seed": int(seed), "config": path.name})
     p.stage(f"write {out}")
     write_bundle(out, manifest, {}, {"tokenizer.json": stub_tokenizer_json(spec.vocab_size)},
-                 {f"kernels/{e.target}.cubin": e.cubin for e in emitted})
+                 {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})
     p.stage("done")
     return manifest

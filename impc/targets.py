@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError, data_dir
 
-TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
+TARGETS_DIR = data_dir("targets")
 DEFAULT_TARGETS = ("sm_90a", "sm_120a")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError
 from imp_runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS, sha256_file
 
 

@@ -61,6 +61,23 @@ class Bundle:
         rel = self.manifest["tokenizer"].get("chat_template")
         return self.file(rel).read_text() if rel else None
 
+    def program(self, target: str):
+        """The launch program of one target, parsed and validated against the cubin's kernels."""
+        from imp_runtime.program import ProgramError, loads, validate
+        k = self.manifest.get("kernels", {})
+        rel = k.get("programs", {}).get(target)
+        if rel is None:
+            raise BundleError(f"{self.path}: no launch program for {target} (targets with one: "
+                              f"{', '.join(k.get('programs', {})) or 'none'})")
+        try:
+            prog = loads(self.file(rel).read_text())
+            if prog.target != target:
+                raise ProgramError(f"it is the program of {prog.target}")
+            validate(prog, set(k["functions"][target]))
+        except ProgramError as e:
+            raise BundleError(f"{self.file(rel)}: launch program refused: {e}") from None
+        return prog
+
     @property
     def synthetic(self) -> bool:
         """Built by `impc compile --synthetic`: no weights file; the cuda executor generates them."""
@@ -117,4 +134,8 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
         spec = ModelSpec.from_dict(manifest["model"])
     except (KeyError, TypeError) as e:
         raise BundleError(f"{mpath}: bad model description ({e})") from None
-    return Bundle(path=path, manifest=manifest, spec=spec)
+    bundle = Bundle(path=path, manifest=manifest, spec=spec)
+    if verify:
+        for target in manifest.get("kernels", {}).get("targets", []):
+            bundle.program(target)
+    return bundle

@@ -62,7 +62,10 @@ def U32(v) -> ctypes.c_uint32:
 _PDL_ATTR = None
 
 
-def _pdl_attr():
+def pdl_attribute():
+    """The launch attribute of programmatic dependent launch (Hopper and later): the kernel may start
+    before the previous kernel in the stream completes, and runs griddepcontrol.wait (the prelude's
+    pdl_wait) before it touches anything an earlier kernel wrote."""
     global _PDL_ATTR
     if _PDL_ATTR is None:
         a = cu.CUlaunchAttribute()
@@ -91,53 +94,29 @@ class Module:
         check(cu.cuFuncSetAttribute(self.func(name),
                                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
 
-    def launch(self, stream, name: str, grid, block, args, smem: int = 0, pdl: bool = False) -> None:
-        """pdl: launch with programmatic stream serialization (Hopper's programmatic dependent launch): the
-        kernel may start before the previous kernel in the stream completes, and must run griddepcontrol.wait
-        (prelude's pdl_wait) before it reads or writes anything an earlier kernel touches."""
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        block = tuple(block) + (1,) * (3 - len(block))
-        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        if not pdl:
-            check(cu.cuLaunchKernel(self.func(name), *grid, *block, smem, stream, ctypes.addressof(ptrs), 0))
-            return
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-        cfg.sharedMemBytes = smem
-        cfg.hStream = stream
-        cfg.attrs = [_pdl_attr()]
-        cfg.numAttrs = 1
-        check(cu.cuLaunchKernelEx(cfg, self.func(name), ctypes.addressof(ptrs), 0))
-
-
-class Arena:
-    """One device allocation cut into 256-byte aligned pieces (all sizes known at load)."""
-
-    ALIGN = 256
-
-    def __init__(self, sizes: dict[str, int]):
-        self.offsets: dict[str, int] = {}
-        off = 0
-        for name, n in sizes.items():
-            self.offsets[name] = off
-            off += (int(n) + self.ALIGN - 1) // self.ALIGN * self.ALIGN
-        self.nbytes = max(off, self.ALIGN)
-        self.base = int(check(cu.cuMemAlloc(self.nbytes)))
-
-    def __getitem__(self, name: str) -> int:
-        return self.base + self.offsets[name]
-
-    def free(self) -> None:
-        if self.base:
-            cu.cuMemFree(self.base)
-            self.base = 0
-
 
 def htod(dst: int, arr: np.ndarray, stream) -> None:
     arr = np.ascontiguousarray(arr)
     if arr.nbytes:
         check(cu.cuMemcpyHtoDAsync(dst, arr.ctypes.data, arr.nbytes, stream))
+
+
+class PinnedBuffer:
+    """Page-locked host memory (copies from and to it are truly asynchronous), viewed as bytes."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(int(nbytes), 16)
+        self.ptr = int(check(cu.cuMemHostAlloc(self.nbytes, 0)))
+        self.array = np.frombuffer((ctypes.c_uint8 * self.nbytes).from_address(self.ptr), np.uint8)
+
+    def view(self, offset: int, dtype, count: int) -> np.ndarray:
+        return self.array[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.array = None
+            cu.cuMemFreeHost(self.ptr)
+            self.ptr = 0
 
 
 def dtoh(arr: np.ndarray, src: int, stream) -> np.ndarray:

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Build the bundles the GPU tests use (sm_90a cubins), under build/gpu-bundles/ (or $IMP_GPU_BUNDLES):
-tiny random llama / qwen3 / gemma3 checkpoints (tests/conftest.py) quantized to NVFP4, and synthetic
-bundles whose kernels cover head_dim 128 and 256. SmolLM2 is built by `impc compile smollm2`.
+tiny random llama / qwen3 / gemma3 / qwen2 checkpoints (tests/conftest.py) quantized to NVFP4 (llama-qe: the
+embedding and head in NVFP4 too), and synthetic bundles whose kernels cover head_dim 128 and 256, each
+planned for a few GiB of device memory so several load side by side. SmolLM2 is built by
+`impc compile smollm2`.
 Usage: scripts/build_gpu_bundles.py [NAME ...]"""
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import os  # noqa: E402
 
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
-TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"}
+TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama"}
+VRAM_GIB = 4
 SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "examples/gemma3-hd256.json"}
 TARGET = os.environ.get("IMP_GPU_TARGET", "sm_90a")
 
@@ -31,10 +34,12 @@ def build(names: list[str]) -> None:
             from conftest import make_checkpoint
             with tempfile.TemporaryDirectory() as tmp:
                 ck = make_checkpoint(TINY[name], Path(tmp) / name)
-                compile_model(CompileOptions(model=str(ck), out=out, quant="nvfp4", targets=TARGET, max_batch=64))
+                compile_model(CompileOptions(model=str(ck), out=out, quant="nvfp4", targets=TARGET, max_batch=64,
+                                             vram_gib=VRAM_GIB, calibrate=False, quant_embed=name.endswith("-qe"),
+                                             quant_head=name.endswith("-qe")))
         elif name in SYNTHETIC:
-            compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET,
-                                                                     max_context=4096, max_batch=64), seed=1)
+            compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
+                                                                     max_batch=64, vram_gib=VRAM_GIB), seed=1)
         else:
             raise ValueError(f"unknown GPU test bundle {name}")
         print(f"built {out}", file=sys.stderr)

@@ -1,11 +1,12 @@
-"""Shared by the GPU tests: where their bundles live and how to get an executor for one.
+"""Shared by the GPU tests: where their bundles live, and sequences driven without the scheduler.
 
-The bundles are compiled on a machine with the nvcc wheels (`scripts/build_gpu_bundles.py`, which
-`scripts/gpu_check.sh` expects under build/gpu-bundles/) and carried to the GPU machine, which has no
-compiler wheels; where the compiler is present a missing bundle is built on the spot."""
+The bundles are compiled where the nvcc wheels are (`scripts/build_gpu_bundles.py`, into
+build/gpu-bundles/ or $IMP_GPU_BUNDLES); a missing bundle is built on the spot, and a bundle that
+cannot be built fails the test (a GPU check that silently skips would prove nothing)."""
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,18 @@ def gpu_bundle(name: str) -> Path:
         from build_gpu_bundles import build
         build([name])
     except Exception as e:          # no compiler here, or no checkpoint for it
-        pytest.skip(f"GPU test bundle {name} is missing ({e.__class__.__name__}: {e}); "
-                    f"run scripts/build_gpu_bundles.py where the nvcc wheels are")
+        pytest.fail(f"GPU test bundle {name} is missing and cannot be built here ({e.__class__.__name__}: {e}); "
+                    f"run scripts/build_gpu_bundles.py where the nvcc wheels are and carry build/gpu-bundles")
     return path
+
+
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def solo(ex):
+    """A sequence on executor ex (runtime/kv_blocks.py's SoloSequence), its pages from one block manager
+    per executor, so sequences alive at the same time never share a page."""
+    from imp_runtime.kv_blocks import BlockManager, SoloSequence
+    if ex not in _BLOCKS:
+        _BLOCKS[ex] = BlockManager(ex.num_pages, ex.page_size)
+    return SoloSequence(ex, _BLOCKS[ex])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError
 from impc.compile import CompileOptions, compile_model
 from imp_runtime.bundle import BundleError, load_bundle
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError
 
 
 def _smollm2_gguf() -> Path | None:

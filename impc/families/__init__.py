@@ -2,7 +2,7 @@
 the checkpoint's tensors to the bundle's canonical tensors (runtime/spec.py lists them)."""
 from __future__ import annotations
 
-from impc.checkpoint import CompileError
+from impc.errors import CompileError
 from impc.families import gemma3, llama, mistral, qwen2, qwen3
 
 FAMILIES = {f.MODEL_TYPE: f for f in (llama, mistral, qwen2, qwen3, gemma3)}

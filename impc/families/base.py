@@ -6,7 +6,8 @@ from typing import Iterator
 
 import numpy as np
 
-from impc.checkpoint import Checkpoint, CompileError
+from impc.checkpoint import Checkpoint
+from impc.errors import CompileError
 from imp_runtime.spec import ModelSpec, RopeScaling
 
 

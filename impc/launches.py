@@ -1,0 +1,428 @@
+"""Stage 4b: the launch program (runtime/program.py describes its form).
+
+From the model spec, each tensor's stored format, the target (targets/<arch>/target.json) and the memory
+plan, decide once every device buffer and, for every decode batch bucket, the prefill chunk and the logits
+buckets, the exact sequence of kernel launches: which kernel, its grid and block, its shared memory, its
+arguments, and the bytes it moves. The cuda executor only binds and replays what is written here; kernel
+tests take their launches from here too, so a grid or an argument list exists in one place.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from impc.errors import CompileError
+from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, gfmt, xfmt
+from imp_runtime.nvfp4 import BLOCK
+from imp_runtime.program import ALIGN, Buffer, Launch, Phase, Program, validate
+from imp_runtime.rope import inv_freq
+from imp_runtime.spec import ModelSpec
+
+# Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
+# programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
+PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
+               "attn_decode_merge", "logits_softcap", "sample_tokens")
+MAX_ATTN_SPLITS = 16          # decode attention splits a sequence's keys over at most this many blocks
+GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
+LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
+ROWS = {"sym": "rows"}
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """Compile options that shape the launch sequence (recorded in the manifest and the program)."""
+    gemv_max_rows: int = 16         # decode steps of up to this many rows use the GEMV, larger ones the GEMM
+    pdl: bool = True                # programmatic dependent launch inside the decode graphs
+    prefill_split_k: bool = False   # atomic split-K in prefill GEMMs (faster for small chunks, not bitwise
+                                    # reproducible: sums then depend on arrival order)
+
+    def to_dict(self) -> dict:
+        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k}
+
+
+def rows_for(chunk: int, max_batch: int) -> tuple[int, int]:
+    """(R, MB): rows of the activation scratch (the widest of a prefill chunk and a decode batch) and rows
+    of the logits/sampling scratch."""
+    return max(chunk, max_batch, 64), max(max_batch, 64)
+
+
+def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (dtype, shape, bytes) of every scratch buffer (the plan counts them before KV)."""
+    s, R, MB = spec, rows, logit_rows
+    qkv = s.q_dim + 2 * s.kv_dim
+    return {
+        "x": ("f32", (R, s.hidden), R * s.hidden * 4),                 # the residual stream
+        "t": ("f32", (R, s.hidden), R * s.hidden * 4),                 # a projection before a sandwich norm
+        "hb": ("u16", (R, s.hidden), R * s.hidden * 2),                # normed x: GEMM input or GEMV planes
+        "ab": ("u16", (R, s.intermediate), R * s.intermediate * 2),    # act(gate) * up
+        "qkv": ("f32", (R, qkv), R * qkv * 4),
+        "q": ("f16", (R, s.q_dim), R * s.q_dim * 2),
+        "attn": ("u16", (R, s.q_dim), R * s.q_dim * 2),
+        "gu": ("f32", (R, 2 * s.intermediate), R * 2 * s.intermediate * 4),
+        "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
+        "partial": ("f32", (MB, s.n_heads, MAX_ATTN_SPLITS, s.head_dim + 2),
+                    MB * s.n_heads * MAX_ATTN_SPLITS * (s.head_dim + 2) * 4),
+        "sampled": ("i32", (MB,), MB * 4),
+    }
+
+
+def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
+    """The values the host sends each step (one contiguous copy): name -> (dtype, count)."""
+    R, MB = rows, logit_rows
+    return {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
+            "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
+            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB)}
+
+
+def aligned(n: int) -> int:
+    return (int(n) + ALIGN - 1) // ALIGN * ALIGN
+
+
+def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
+                  max_pages: int, page: int, kv_pages: int) -> list[tuple]:
+    """Every buffer of the arena in order: (name, kind, dtype, shape, bytes, values). Weights first (as the
+    bundle stores them), then constants, block tables, step values, scratch, and the KV pool last."""
+    out: list[tuple] = []
+    for name, shape in spec.tensor_shapes().items():
+        fmt = formats[name]
+        if fmt == "nvfp4":
+            n, k = shape
+            if k % 32:
+                raise CompileError(f"{name}: K={k} is not a multiple of 32, which the GPU kernels need; "
+                                   f"compile with --target none (cpu only) or --quant bf16")
+            out += [(name + ".codes", "weight", "u8", (n, k // 2), n * k // 2, None),
+                    (name + ".scales", "weight", "u8", (n, k // BLOCK), n * k // BLOCK, None),
+                    (name + ".tscale", "weight", "f32", (1,), 4, None)]
+        else:
+            out.append((name, "weight", "bf16" if fmt == "bf16" else "f32", shape,
+                        math.prod(shape) * (2 if fmt == "bf16" else 4), None))
+    for j, (base, scaling) in enumerate(rope_variants(spec)):
+        vals = tuple(float(v) for v in inv_freq(spec.head_dim, base, scaling).astype("float32"))
+        out.append((f"rope.{j}", "const", "f32", (spec.head_dim // 2,), spec.head_dim // 2 * 4, vals))
+    out.append(("block_tables", "table", "i32", (max_seqs, max_pages), max_seqs * max_pages * 4, None))
+    for name, (dtype, count) in step_sizes(rows, logit_rows).items():
+        out.append((name, "step", dtype, (count,), count * (8 if dtype == "u64" else 4), None))
+    for name, (dtype, shape, nbytes) in scratch_sizes(spec, rows, logit_rows).items():
+        out.append((name, "scratch", dtype, shape, nbytes, None))
+    page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
+    for i in range(spec.n_layers):
+        for kv in ("k", "v"):
+            out.append((f"kv.{i}.{kv}", "kv", "f16", (kv_pages, spec.n_kv_heads, page, spec.head_dim),
+                        kv_pages * page_bytes, None))
+    return out
+
+
+def fixed_arena_bytes(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
+                      max_pages: int) -> int:
+    """Bytes of the arena before the KV pool (the plan gives what is left to KV pages)."""
+    return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0)
+               if e[1] != "kv")
+
+
+def rope_variants(spec: ModelSpec) -> list[tuple]:
+    """The distinct (base, scaling) RoPE tables of the layers, in first-use order."""
+    return list(dict.fromkeys(spec.rope_for(i) for i in range(spec.n_layers)))
+
+
+def linear_bytes(shape: tuple[int, int], fmt: str) -> int:
+    n, k = shape
+    return n * k // 2 + n * k // BLOCK + 4 if fmt == "nvfp4" else n * k * 2
+
+
+def fa_geometry(head_dim: int) -> tuple[int, int]:
+    """(key tile, dynamic shared memory) of attn_prefill_f16 (templates/attn_prefill.cu.j2)."""
+    kt = 64 if head_dim <= 128 else 32
+    return kt, (64 * (head_dim + 8) + kt * (head_dim + 8) + head_dim * (kt + 8)) * 2
+
+
+@dataclass
+class _Lin:
+    name: str
+    fmt: str
+    n: int
+    k: int
+
+    def weight_args(self) -> list[dict]:
+        if self.fmt == "nvfp4":
+            return [ptr(self.name + ".codes"), ptr(self.name + ".scales"), ptr(self.name + ".tscale")]
+        return [ptr(self.name)]
+
+    def reads(self) -> list[tuple[str, int]]:
+        if self.fmt == "nvfp4":
+            return [(self.name + ".codes", self.n * self.k // 2), (self.name + ".scales", self.n * self.k // BLOCK),
+                    (self.name + ".tscale", 4)]
+        return [(self.name, self.n * self.k * 2)]
+
+
+def ptr(name: str | None, offset=0) -> dict:
+    return {"ptr": name} if offset == 0 else {"ptr": name, "offset": offset}
+
+
+def i32(v) -> dict:
+    return {"i32": v}
+
+
+def ev(v, rows: int) -> int:
+    """A value at `rows` (reads and writes are counted at the phase's full size)."""
+    return v if isinstance(v, int) else -(-rows * v.get("mul", 1) // v.get("ceil_div", 1)) + v.get("add", 0)
+
+
+def sym_rows(mul: int = 1, ceil_div: int = 1):
+    return {"sym": "rows", "mul": mul, "ceil_div": ceil_div} if (mul, ceil_div) != (1, 1) else ROWS
+
+
+@dataclass
+class _Emitter:
+    """Records the launches of one phase."""
+    pdl: bool
+    launches: list[Launch] = field(default_factory=list)
+
+    def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        self.launches.append(Launch(kernel, grid, block, smem, self.pdl and kernel.startswith(PDL_KERNELS),
+                                    tuple(args), tuple((b, int(n)) for b, n in reads if n),
+                                    tuple((b, int(n)) for b, n in writes if n)))
+
+
+class ProgramBuilder:
+    def __init__(self, spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict,
+                 options: ProgramOptions, synthetic_seed: int | None = None):
+        self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
+        self.seed = synthetic_seed
+        t = plan["targets"][target["name"]]
+        self.page, self.chunk, self.kv_pages = t["page_size"], t["prefill_chunk"], t["kv_pages"]
+        self.max_context, self.max_batch = plan["max_context"], plan["max_batch"]
+        self.max_pages = math.ceil(self.max_context / self.page)
+        self.max_seqs = plan["max_sequences"]
+        self.R, self.MB = rows_for(self.chunk, self.max_batch)
+        self.sm_count = target["sm_count"]
+        self.fa_kt, self.fa_smem = fa_geometry(spec.head_dim)
+        self.buffers: dict[str, Buffer] = {}
+
+    # ------------------------------------------------------------------ arena
+
+    def layout(self) -> None:
+        offset = 0
+        for name, kind, dtype, shape, nbytes, values in arena_entries(
+                self.spec, self.formats, self.R, self.MB, self.max_seqs, self.max_pages, self.page, self.kv_pages):
+            self.buffers[name] = Buffer(name, offset, int(nbytes), dtype, tuple(int(x) for x in shape), kind, values)
+            offset += aligned(nbytes)
+        self.arena_bytes = offset
+        self.rope = {v: f"rope.{j}" for j, v in enumerate(rope_variants(self.spec))}
+
+    # ------------------------------------------------------------------ pieces of a forward pass
+
+    def lin(self, name: str) -> _Lin:
+        n, k = self.spec.tensor_shapes()[name]
+        return _Lin(name, self.formats[name], n, k)
+
+    def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
+               nb: int = 0) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
+        GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
+        m = ev(rows, self.rows_max)
+        reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
+        writes = [(out, m * lin.n * 4)]
+        if planes:
+            kern = f"gemv_{lin.fmt}_nb{nb}"
+            e.add(kern, ((lin.n + 15) // 16,), (256,),
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes)
+            return
+        gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
+        gy = sym_rows(ceil_div=GEMM_TILE_M) if isinstance(rows, dict) else (rows + GEMM_TILE_M - 1) // GEMM_TILE_M
+        splits = 1
+        if split_k:     # enough blocks for two waves; a symbolic chunk is split for its full size
+            ktiles = (lin.k + GEMM_TILE_K - 1) // GEMM_TILE_K
+            splits = max(1, min(ktiles // 2, (2 * self.sm_count) // (gx * ev(gy, self.rows_max))))
+        if splits > 1:
+            if mode == 0:      # the atomic split-K adds into out: zero it first
+                e.add("fill_f32", (min(1024, (m * lin.n + 255) // 256),), (256,),
+                      [ptr(out), {"u64": m * lin.n}, {"f32": 0.0}], [], [(out, m * lin.n * 4)])
+            mode = 2
+        kern = "gemm_nvfp4_f16" if lin.fmt == "nvfp4" else "gemm_bf16"
+        e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
+                                               i32(lin.k), i32(mode)], reads, writes)
+
+    def rmsnorm(self, e: _Emitter, x: str, w: str, out: str, rows, ofmt: int, x_off=0) -> None:
+        h, m = self.spec.hidden, ev(rows, self.rows_max)
+        width = 4 if ofmt not in (XF_BF16, XF_F16) else 2
+        e.add("rmsnorm_residual", (rows,), (256,), [ptr(x, x_off), ptr(None), ptr(w), ptr(out), i32(ofmt)],
+              [(x, m * h * 4), (w, h * 4)], [(out, m * h * width)])
+
+    def rmsnorm_add(self, e: _Emitter, t: str, w: str, rows) -> None:
+        h, m = self.spec.hidden, ev(rows, self.rows_max)
+        e.add("rmsnorm_add", (rows,), (256,), [ptr(t), ptr(w), ptr("x")],
+              [("t", m * h * 4), (w, h * 4), ("x", m * h * 4)], [("x", m * h * 4)])
+
+    def embed(self, e: _Emitter, rows) -> None:
+        s, m = self.spec, ev(rows, self.rows_max)
+        emb = self.lin("embed")
+        row_bytes = s.hidden // 2 + s.hidden // BLOCK if emb.fmt == "nvfp4" else s.hidden * 2
+        reads = [("tokens", m * 4)] + [(b, min(n, m * row_bytes)) for b, n in emb.reads()]
+        kern = "embedding_gather_nvfp4" if emb.fmt == "nvfp4" else "embedding_gather"
+        e.add(kern, (rows,), (256,), [ptr("tokens"), *emb.weight_args(), ptr("x")], reads, [("x", m * s.hidden * 4)])
+
+    def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
+        """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""
+        s, m = self.spec, ev(rows, self.rows_max)
+        fmt = (lambda lin: xfmt(lin.fmt)) if dec else (lambda lin: gfmt(lin.fmt))
+        for i in range(s.n_layers):
+            p = f"layers.{i}."
+            qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
+            self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
+            self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
+            opt = lambda name: ptr(p + name) if p + name in self.formats else ptr(None)  # noqa: E731
+            rope = self.rope[s.rope_for(i)]
+            e.add("qkv_rope_cache_f16", (rows,), (128,),
+                  [ptr("qkv"), opt("qkv_bias"), opt("q_norm"), opt("k_norm"), ptr(rope), ptr("positions"),
+                   ptr("kv_slots"), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
+                  [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],
+                  [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)])
+            window = s.sliding_window if s.kind(i) == "sliding" else 0
+            attention(e, i, window, fmt(o))
+            if s.sandwich_norm:
+                self.linear(e, "attn", o, "t", rows, 0, dec, split_k, nb)
+                self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
+            else:
+                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb)
+            self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
+            if dec:
+                ofmt = xfmt(down.fmt)
+                e.add(f"gemv_gated_{gate_up.fmt}_nb{nb}", ((gate_up.n // 2 + 15) // 16,), (256,),
+                      [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
+                       i32(ofmt)],
+                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
+            else:
+                self.linear(e, "hb", gate_up, "gu", rows, 0, False, split_k)
+                e.add("act_gated_x", ((s.intermediate + 255) // 256, rows), (256,),
+                      [ptr("gu"), ptr("ab"), i32(gfmt(down.fmt))],
+                      [("gu", m * 2 * s.intermediate * 4)], [("ab", m * s.intermediate * 2)])
+            if s.sandwich_norm:
+                self.linear(e, "ab", down, "t", rows, 0, dec, split_k, nb)
+                self.rmsnorm_add(e, "t", p + "post_ffn_norm", rows)
+            else:
+                self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb)
+
+    def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
+        s, m = self.spec, ev(rows, self.rows_max)
+        head = self.lin("embed" if s.tie_embeddings else "lm_head")
+        self.rmsnorm(e, "x", "final_norm", "hb", rows, xfmt(head.fmt) if dec else gfmt(head.fmt), x_off)
+        self.linear(e, "hb", head, "logits", rows, 0, dec, split_k, nb)
+        if s.final_softcap:
+            e.add("logits_softcap", ((s.vocab_size + 255) // 256, rows), (256,), [ptr("logits")],
+                  [("logits", m * s.vocab_size * 4)], [("logits", m * s.vocab_size * 4)])
+
+    # ------------------------------------------------------------------ phases
+
+    def attn_splits(self, b: int) -> int:
+        return max(1, min(MAX_ATTN_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
+
+    def decode(self, b: int) -> Phase:
+        s = self.spec
+        self.rows_max = b
+        e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
+        dec = b <= self.opt.gemv_max_rows
+        nb = next((x for x in GEMV_NB if x >= b), 0)
+        splits = self.attn_splits(b)
+        self.embed(e, b)
+
+        def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
+            part = b * s.n_heads * splits * (s.head_dim + 2) * 4
+            e.add("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
+                  [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
+                   ptr("partial"), i32(window), i32(self.max_pages)],
+                  [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4)], [("partial", part)])
+            e.add("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [ptr("partial"), ptr("attn"), i32(splits), i32(ofmt)],
+                  [("partial", part)], [("attn", b * s.q_dim * (4 if dec else 2))])
+
+        self.layers(e, b, attention, dec, nb, split_k=True)
+        self.head(e, b, dec, nb, split_k=True)
+        e.add("sample_tokens", (b,), (1024,),
+              [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
+               ptr("sampled")],
+              [("logits", b * s.vocab_size * 4)], [("sampled", b * 4)])
+        return Phase("decode", b, tuple(e.launches))
+
+    def prefill(self) -> Phase:
+        s = self.spec
+        self.rows_max = self.chunk
+        e = _Emitter(pdl=False)
+        self.embed(e, ROWS)
+        bt_row = {"sym": "slot", "mul": self.max_pages * 4}
+
+        def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
+            e.add("attn_prefill_f16", (sym_rows(ceil_div=64), s.n_heads), (128,),
+                  [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row), i32({"sym": "start"}),
+                   i32(ROWS), i32(window), ptr("attn"), i32(ofmt)],
+                  [("q", self.chunk * s.q_dim * 2)], [("attn", self.chunk * s.q_dim * 2)], smem=self.fa_smem)
+
+        self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
+        return Phase("prefill", self.chunk, tuple(e.launches))
+
+    def logits(self, rows: int) -> Phase:
+        """Logits of `rows` consecutive rows of x from row `row0` (after a prefill chunk)."""
+        self.rows_max = rows
+        e = _Emitter(pdl=False)
+        dec = rows <= self.opt.gemv_max_rows
+        nb = next((x for x in GEMV_NB if x >= rows), 0)
+        self.head(e, ROWS, dec, nb, split_k=self.opt.prefill_split_k,
+                  x_off={"sym": "row0", "mul": self.spec.hidden * 4})
+        return Phase("logits", rows, tuple(e.launches))
+
+    def init(self) -> Phase:
+        """Synthetic bundles: every weight generated on the GPU from the seed (templates/synthetic.cu.j2)."""
+        e = _Emitter(pdl=False)
+        if self.seed is None:
+            return Phase("init", 0, ())
+        grid, block = (1024,), (256,)
+        for idx, name in enumerate(sorted(self.spec.tensor_shapes())):
+            shape, fmt = self.spec.tensor_shapes()[name], self.formats[name]
+            tseed = self.seed * 1000003 + idx
+            if fmt == "nvfp4":
+                n, k = shape
+                e.add("fill_random_bytes", grid, block, [ptr(name + ".codes"), {"u64": n * k // 2}, {"u64": tseed},
+                                                         {"u32": 0xFF}, {"u32": 0}], [], [(name + ".codes", n * k // 2)])
+                # E4M3 codes 0x30..0x37: block scales 0.5 .. 0.94
+                e.add("fill_random_bytes", grid, block, [ptr(name + ".scales"), {"u64": n * k // BLOCK},
+                                                         {"u64": tseed + 1}, {"u32": 0x07}, {"u32": 0x30}],
+                      [], [(name + ".scales", n * k // BLOCK)])
+                # rms of a uniform random E2M1 code is 2.93, of the scales ~0.72: keep outputs ~unit variance
+                e.add("fill_f32", (1,), (32,), [ptr(name + ".tscale"), {"u64": 1},
+                                                {"f32": 1.0 / (2.93 * 0.72 * math.sqrt(k))}], [], [(name + ".tscale", 4)])
+            elif fmt == "bf16":
+                amp = 1.0 if name == "embed" else math.sqrt(3.0 / shape[-1])
+                e.add("fill_random_bf16", grid, block, [ptr(name), {"u64": math.prod(shape)}, {"u64": tseed},
+                                                        {"f32": amp}], [], [(name, math.prod(shape) * 2)])
+            else:
+                val = 0.0 if name.endswith("qkv_bias") else 1.0
+                e.add("fill_f32", grid, block, [ptr(name), {"u64": math.prod(shape)}, {"f32": val}], [],
+                      [(name, math.prod(shape) * 4)])
+        return Phase("init", 0, tuple(e.launches))
+
+    def build(self) -> Program:
+        self.layout()
+        phases = [self.init()]
+        phases += [self.decode(b) for b in self.plan["graph_buckets"]]
+        phases.append(self.prefill())
+        phases += [self.logits(r) for r in LOGITS_BUCKETS]
+        consts = {"page_size": self.page, "max_pages": self.max_pages, "max_seqs": self.max_seqs,
+                  "kv_pages": self.kv_pages, "max_context": self.max_context, "max_batch": self.max_batch,
+                  "prefill_chunk": self.chunk, "vocab_size": self.spec.vocab_size, "hidden": self.spec.hidden,
+                  "rows": self.R, "logit_rows": self.MB}
+        symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1}
+        return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
+                       symbols=symbols, kernel_smem={"attn_prefill_f16": self.fa_smem}, constants=consts,
+                       options=self.opt.to_dict())
+
+
+def build_program(spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict, options: ProgramOptions,
+                  kernels: set[str] | None, synthetic_seed: int | None = None) -> Program:
+    """The validated launch program of one target; a CompileError if it fails validation."""
+    from imp_runtime.program import ProgramError
+    prog = ProgramBuilder(spec, formats, target, plan, options, synthetic_seed).build()
+    try:
+        validate(prog, kernels, target.get("smem_per_block_bytes"))
+    except ProgramError as e:
+        raise CompileError(f"the launch program failed validation: {e}") from None
+    return prog

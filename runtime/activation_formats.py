@@ -1,0 +1,82 @@
+"""Activation formats between kernels (templates/prelude.cuh.j2 defines them; the numbers must match).
+
+  XF_BF16   (0): [rows, K] bf16, the prefill GEMM's input over bf16 weights.
+  XF_F16X2  (1): [2*rows, K] fp16 planes for a decode GEMV over NVFP4 weights: row 2b = hi = fp16(x * 2^-6),
+                 row 2b+1 = lo = fp16(x * 2^-6 - hi), k permuted within each 8 to the GEMV's fragment order.
+  XF_BF16X2 (2): [2*rows, K] bf16 planes for a decode GEMV over bf16 weights: hi = bf16(x), lo = bf16(x - hi).
+  XF_F16    (3): [rows, K] fp16(x * 2^-6), the prefill GEMM's input over NVFP4 weights.
+The 2^-6 pre-scale keeps the products of two projections inside fp16's range; kernels undo it exactly.
+`to_planes` / `from_planes` are the host's view of the plane formats (kernel tests)."""
+from __future__ import annotations
+
+import numpy as np
+
+XF_BF16, XF_F16X2, XF_BF16X2, XF_F16 = 0, 1, 2, 3
+XF_F16_SCALE = 2.0 ** -6
+GEMV_NB = (1, 2, 4, 8, 16)           # the decode GEMV's batch variants (gemv_*_nb{N})
+
+
+def xfmt(fmt: str) -> int:
+    """The x-plane format a decode GEMV over weights stored as fmt (nvfp4 | bf16) reads."""
+    return XF_F16X2 if fmt == "nvfp4" else XF_BF16X2
+
+
+def gfmt(fmt: str) -> int:
+    """The activation format a GEMM over weights stored as fmt reads: fp16 (pre-scaled) for NVFP4
+    weights, bf16 for bf16 weights (bf16 -> fp16 is not exact for weights below 2^-14)."""
+    return XF_F16 if fmt == "nvfp4" else XF_BF16
+
+
+def _xf_pos(k: int) -> np.ndarray:
+    i = np.arange(k)
+    j = i & 7
+    return (i & ~7) | np.where(j & 1, 4 + (j >> 1), j >> 1)
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def to_planes(a: np.ndarray, fmt: int) -> np.ndarray:
+    """float32 [M, K] -> x planes [2M, K] as uint16 bits."""
+    a = np.asarray(a, np.float32)
+    m, k = a.shape
+    out = np.empty((2 * m, k), np.uint16)
+    if fmt == XF_F16X2:
+        s = np.clip(a * np.float32(XF_F16_SCALE), -65504, 65504).astype(np.float32)
+        h = s.astype(np.float16)
+        lo = (s - h.astype(np.float32)).astype(np.float16)
+        pos = _xf_pos(k)
+        out[0::2][:, pos] = h.view(np.uint16)
+        out[1::2][:, pos] = lo.view(np.uint16)
+    elif fmt == XF_BF16X2:
+        h = _bf16_bits(a)
+        out[0::2] = h
+        out[1::2] = _bf16_bits(a - (h.astype(np.uint32) << 16).view(np.float32))
+    else:
+        raise ValueError(f"x-plane format {fmt}")
+    return out
+
+
+def from_planes(raw: np.ndarray, fmt: int) -> np.ndarray:
+    """x planes [2M, K] uint16 bits -> the float32 [M, K] they represent."""
+    raw = np.asarray(raw, np.uint16)
+    if fmt == XF_F16X2:
+        v = raw.view(np.float16).astype(np.float32)
+        v = (v[0::2] + v[1::2]) / np.float32(XF_F16_SCALE)
+        return v[:, _xf_pos(raw.shape[1])]
+    if fmt == XF_BF16X2:
+        v = (raw.astype(np.uint32) << 16).view(np.float32)
+        return v[0::2] + v[1::2]
+    raise ValueError(f"x-plane format {fmt}")
+
+
+def read_activation(raw: np.ndarray, rows: int, k: int, fmt: int) -> np.ndarray:
+    """The float32 [rows, k] an activation buffer's bytes hold in format fmt."""
+    raw = np.asarray(raw).view(np.uint16)
+    if fmt == XF_BF16:
+        return (raw[:rows * k].astype(np.uint32) << 16).view(np.float32).reshape(rows, k)
+    if fmt == XF_F16:
+        return raw[:rows * k].view(np.float16).astype(np.float32).reshape(rows, k) / np.float32(XF_F16_SCALE)
+    return from_planes(raw[:2 * rows * k].reshape(2 * rows, k), fmt)

@@ -1,0 +1,57 @@
+"""The interface every executor implements: `cpu` (executor_cpu.py, the numpy reference) and `cuda`
+(executor_cuda.py, the interpreter of the bundle's launch program).
+
+KV pages belong to the caller (the block manager, runtime/kv_blocks.py): an executor stores a sequence's
+keys and values in the pages it is given and never picks a page itself, so a prefix cache can hand one
+page to several sequences. Page 0 is the padding page (padding rows of a decode batch write there);
+pages 1 .. num_pages - 1 are the usable pool.
+
+A decode step samples on the device with each row's parameters (temperature, top-k, top-p, min-p,
+seed); a row's logits come back to the host only when the row asks for them (logprobs, penalties or a
+token-mask constraint, which the engine then applies on the host).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from imp_runtime.sampler import SamplingParams
+
+
+@dataclass
+class StepRow:
+    """One sequence's row in a decode step."""
+    sid: int
+    token: int                          # the token this step feeds (its KV lands at `position`)
+    position: int                       # = the sequence's length before the step
+    params: SamplingParams | None = None   # None: greedy
+    want_logits: bool = False           # copy this row's logits to the host
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]                   # one sampled token per row, in row order
+    logits: dict[int, np.ndarray] = field(default_factory=dict)   # row index -> float32 [vocab], rows that asked
+
+
+class Executor(Protocol):
+    name: str
+    page_size: int                      # tokens per KV page
+    num_pages: int                      # pages in the pool, page 0 (padding) included
+    max_batch: int                      # most rows in one decode step
+    max_context: int                    # most positions in one sequence
+    prefill_chunk: int                  # most tokens one prefill call takes (callers chunk longer prompts)
+
+    def new_sequence(self) -> int: ...
+    def set_pages(self, sid: int, pages: list[int]) -> None:
+        """The pages holding sid's KV in position order (page i holds positions i*page_size ...). Called
+        whenever the list changes; it must cover every position a later prefill or decode writes."""
+    def free(self, sid: int) -> None:
+        """Forget sid (its slot); the pages stay with the block manager."""
+    def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
+        """Write KV for `tokens` at positions start .. start+T-1 (positions < start must already hold KV:
+        a cached prefix or earlier chunks) and return the logits of the last token [V], or of all [T, V]."""
+    def decode(self, rows: list[StepRow]) -> StepResult:
+        """One token for each row (1 .. max_batch rows)."""

@@ -1,0 +1,176 @@
+"""The launch program (impc/launches.py -> runtime/program.py), without a GPU: its validation refuses a
+broken program at compile time and at load with one line; `impc inspect --program` counts launches and
+bytes that agree with a hand count from the model's dimensions; bundles do not depend on the output
+folder's name; and a non-editable install of the package compiles (templates and targets are package data)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from impc.compile import CompileOptions, compile_model
+from imp_runtime.bundle import BundleError, load_bundle, sha256_file
+from imp_runtime.program import Launch, ProgramError, dumps, loads, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def impc(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "impc.cli", *args], capture_output=True, text=True, timeout=900, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpu_bundle_dir(checkpoints, tmp_path_factory):
+    """A tiny qwen3 bundle with an sm_90a program (needs the nvcc wheels, as `make test` installs)."""
+    from impc.emit import nvcc_path
+    from impc.errors import CompileError
+    try:
+        nvcc_path()
+    except CompileError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("prog") / "qwen3"
+    compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="sm_90a", vram_gib=2,
+                                 max_context=256, max_batch=16, calibrate=False))
+    return out
+
+
+def program_of(path: Path):
+    return load_bundle(path).program("sm_90a")
+
+
+def kernels_of(path: Path) -> set[str]:
+    return set(load_bundle(path).manifest["kernels"]["functions"]["sm_90a"])
+
+
+def broken(prog, how: str):
+    """A copy of the program with one defect."""
+    d = json.loads(dumps(prog))
+    bufs = d["buffers"]
+    ph = next(p for p in d["phases"] if p["phase"] == "decode")
+    if how == "outside":
+        bufs[-1]["offset"] = d["arena_bytes"]
+    elif how == "overlap":
+        bufs[1]["offset"] = bufs[0]["offset"]
+    elif how == "kernel":
+        ph["launches"][0]["kernel"] = "no_such_kernel"
+    elif how == "buffer":
+        ph["launches"][1]["args"][0] = {"ptr": "no_such_buffer"}
+    elif how == "offset":
+        ph["launches"][1]["args"][0] = {"ptr": "x", "offset": 1 << 40}
+    elif how == "symbol":
+        ph["launches"][1]["args"][-1] = {"i32": {"sym": "rows"}}
+    elif how == "grid":
+        ph["launches"][1]["grid"] = [0, 1, 1]
+    elif how == "reads":
+        ph["launches"][1]["reads"] = [["x", 1 << 40]]
+    return d
+
+
+DEFECTS = ["outside", "overlap", "kernel", "buffer", "offset", "symbol", "grid", "reads"]
+
+
+@pytest.mark.parametrize("how", DEFECTS)
+def test_validation_refuses_each_defect(gpu_bundle_dir, how):
+    prog = program_of(gpu_bundle_dir)
+    validate(prog, kernels_of(gpu_bundle_dir))                  # the compiled one passes
+    with pytest.raises(ProgramError) as e:
+        validate(loads(json.dumps(broken(prog, how))), kernels_of(gpu_bundle_dir))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["kernel", "offset", "truncated"])
+def test_load_refuses_a_broken_program(gpu_bundle_dir, tmp_path, how):
+    """A program that fails validation (its hash updated, so only validation can catch it) is a one-line
+    error at load, from the library and from the CLI."""
+    import shutil
+    dst = tmp_path / "b"
+    shutil.copytree(gpu_bundle_dir, dst)
+    rel = "program/sm_90a.json"
+    text = dumps(program_of(dst))
+    (dst / rel).write_text(text[:len(text) // 2] if how == "truncated" else json.dumps(broken(program_of(dst), how)))
+    m = json.loads((dst / "manifest.json").read_text())
+    m["files"][rel] = sha256_file(dst / rel)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="launch program refused"):
+        load_bundle(dst)
+    r = impc("inspect", str(dst), "--program")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "launch program refused" in r.stderr
+
+
+def test_compile_refuses_a_program_that_fails_validation(checkpoints, tmp_path, monkeypatch, gpu_bundle_dir):
+    from impc import launches
+    from impc.errors import CompileError
+    real = launches.ProgramBuilder.prefill
+
+    def bad_prefill(self):
+        ph = real(self)
+        x = ph.launches[0]
+        return replace(ph, launches=(replace(x, args=({"ptr": "nowhere"},) + x.args[1:]),) + ph.launches[1:])
+
+    monkeypatch.setattr(launches.ProgramBuilder, "prefill", bad_prefill)
+    out = tmp_path / "never"
+    with pytest.raises(CompileError, match="failed validation.*nowhere"):
+        compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="sm_90a", vram_gib=2,
+                                     max_context=256, max_batch=16, calibrate=False))
+    assert not out.exists()
+
+
+def test_inspect_program_counts(gpu_bundle_dir):
+    """Launch counts and weight bytes of a decode step, against a hand count from the dimensions."""
+    b = load_bundle(gpu_bundle_dir)
+    s = b.spec
+    r = impc("inspect", str(gpu_bundle_dir), "--program", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {(k["phase"], k["tokens"]) for k in d["buckets"]} == \
+        {("decode", n) for n in (1, 2, 4, 8, 16)} | {("prefill", b.manifest["plan"]["targets"]["sm_90a"]["prefill_chunk"])}
+    dec1 = next(k for k in d["buckets"] if k["phase"] == "decode" and k["tokens"] == 1)
+    # embed; per layer norm, qkv, rope+cache, attention, merge, o, norm, gate_up(+act), down; head norm, head, sample
+    assert len(dec1["launches"]) == 1 + 9 * s.n_layers + 3
+    assert all(set(x) == {"kernel", "grid", "block", "smem", "reads", "writes"} for x in dec1["launches"])
+    # the GEMVs read each layer's NVFP4 weights once: codes K/2 + scales K/16 bytes per row, 4 for tscale
+    lin = sum(n * k // 2 + n * k // 16 + 4 for n, k in s.linear_shapes().values()) * s.n_layers
+    gemv_reads = sum(x["reads"] for x in dec1["launches"] if x["kernel"].startswith("gemv_nvfp4") or
+                     x["kernel"].startswith("gemv_gated_nvfp4"))
+    acts = sum(4 * k for _, k in s.linear_shapes().values()) * s.n_layers          # x planes: 2 x fp16 per k
+    resid = s.hidden * 4 * 2 * s.n_layers                                           # o and down add into x
+    assert gemv_reads == lin + acts + resid
+    text = impc("inspect", str(gpu_bundle_dir), "--program").stdout
+    assert f"decode 1: {len(dec1['launches'])} launches" in text
+
+
+def test_bundle_does_not_depend_on_the_output_folder(checkpoints, tmp_path, gpu_bundle_dir):
+    ck = str(checkpoints("qwen3"))
+    a, b = tmp_path / "one", tmp_path / "elsewhere" / "two"
+    for out in (a, b):
+        compile_model(CompileOptions(model=ck, out=out, targets="sm_90a", vram_gib=2, max_context=256,
+                                     max_batch=16, calibrate=False))
+    fa = {str(p.relative_to(a)): p.read_bytes() for p in a.rglob("*") if p.is_file()}
+    fb = {str(p.relative_to(b)): p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    assert fa.keys() == fb.keys() and "program/sm_90a.json" in fa
+    assert fa == fb
+    assert json.loads(fa["manifest.json"])["name"] == Path(ck).name
+
+
+@pytest.mark.slow
+def test_non_editable_install_compiles(tmp_path, gpu_bundle_dir):
+    """`pip install .` (not editable) gives an impc whose templates and targets come with the package: it
+    compiles SmolLM2 for sm_90a from a folder with no source tree in sight."""
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (site / "impc" / "templates" / "gemv.cu.j2").is_file() and (site / "impc" / "targets" / "sm_90a" / "target.json").is_file()
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    code = ("import sys, impc; assert impc.__file__.startswith(sys.argv[1]), impc.__file__; "
+            "from impc.cli import main; sys.exit(main(sys.argv[2:]))")
+    out = tmp_path / "smol"
+    r = subprocess.run([sys.executable, "-c", code, str(site), "compile", "smollm2", "-o", str(out), "--target", "sm_90a",
+                        "-q", "--no-calib"], capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_bundle(out).program("sm_90a").phases
