@@ -3,6 +3,7 @@ answered promptly; never a 500, never a hang."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -76,6 +77,23 @@ OPENAI_CASES = [
     ("responses-previous-id", "/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400,
      "previous_response_id"),
     ("responses-max-output", "/v1/responses", {"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    # numbers JSON does not have (Python's reader takes them), strings no encoder takes, absurd nesting
+    ("temperature-nan", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+     b'"temperature": NaN}', 400, "temperature"),
+    ("top-p-infinity", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+     b'"top_p": -Infinity}', 400, "top_p"),
+    ("penalty-overflow", "/v1/completions", b'{"prompt": "a", "presence_penalty": 1e999}', 400, "presence_penalty"),
+    ("temperature-huge-int", "/v1/chat/completions", chat(temperature=10**400), 400, "temperature"),
+    ("lone-surrogate", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     400, "messages[0].content"),
+    ("lone-surrogate-prompt", "/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', 400, "prompt[1]"),
+    ("nested-too-deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}", 400, "messages"),
+    ("nested-past-recursion", "/v1/completions", b"[" * 50000 + b"]" * 50000, 400, "body"),
+    ("seed-beyond-int64", "/v1/chat/completions", chat(seed=2**63), 400, "seed"),
+    ("seed-below-int64", "/v1/chat/completions", chat(seed=-2**63 - 1), 400, "seed"),
+    ("top-k-huge", "/v1/chat/completions", chat(top_k=10**30), 400, "top_k"),
+    ("format-regex-cannot-run", "/v1/chat/completions", chat(response_format={"type": "regex", "regex": "a{99999999}"}),
+     400, "response_format.regex"),
 ]
 
 ANTHROPIC_CASES = [
@@ -108,6 +126,11 @@ ANTHROPIC_CASES = [
     ("format-unsupported-keyword", "/v1/messages", {"messages": OK_MSGS, "max_tokens": 2, "output_config": {
         "format": {"type": "json_schema", "schema": BAD_SCHEMA}}}, 400, "output_config.format.schema"),
     ("count-tokens-empty", "/v1/messages/count_tokens", {"messages": []}, 400, "messages"),
+    ("temperature-nan", "/v1/messages", b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+     b'"temperature": NaN}', 400, "temperature"),
+    ("lone-surrogate-system", "/v1/messages", b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+     b'"system": "\\ud83d"}', 400, "system"),
+    ("nested-too-deep", "/v1/messages", b'{"metadata": ' + b'{"a": ' * 80 + b"1" + b"}" * 80 + b"}", 400, "metadata"),
 ]
 
 
@@ -146,7 +169,37 @@ def test_anthropic_bad_request(server, case, path, body, status, field):
 def test_unsupported_keyword_is_named(server):
     r = post(server, "/v1/chat/completions", chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}))
-    assert '"if"' in r.json()["error"]["message"] or "if" in r.json()["error"]["message"].split("keyword")[1]
+    m = re.search(r"unsupported JSON schema keywords? (.+?) \(", r.json()["error"]["message"])
+    # if/then are the keywords llguidance does not implement; properties and type, which it does, are not named
+    assert m and {k.strip() for k in m.group(1).split(",")} == {"if", "then"}, r.json()
+
+
+def test_body_must_be_declared_json(server):
+    """Like vLLM and llama.cpp's server: a body that is not declared JSON is a 415, in the dialect's shape."""
+    body = json.dumps(chat()).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        h = {"Authorization": f"Bearer {API_KEY}", "x-api-key": API_KEY}
+        if ctype:
+            h["content-type"] = ctype
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=h, timeout=30)
+        assert check_openai_error(r, 415, "Content-Type")["code"] == "unsupported_media_type"
+        r = httpx.post(server.url + "/v1/messages", content=body, headers=h, timeout=30)
+        check_anthropic_error(r, 415, "Content-Type")
+    r = post(server, "/v1/chat/completions", chat(max_tokens=1), headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_negative_seed_is_a_seed(server):
+    """Any signed 64-bit seed is taken (as OpenAI and vLLM do) and reproduces its draw; -1 and 1 differ."""
+    def draw(seed):
+        r = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 1.5,
+                                             "seed": seed})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    first = draw(-1)
+    assert draw(-1) == first
+    assert draw(-2**63)                # the int64 range's end is a seed too
+    assert draw(1) != first            # -1 is not read as 1 (nor as "no seed": then the first check fails)
 
 
 def test_oversized_body(server):

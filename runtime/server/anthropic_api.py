@@ -16,6 +16,7 @@ from imp_runtime.server.errors import APIError, anthropic_error_body, bad_reques
 from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop
 from imp_runtime.server.openai_api import event_stream
 from imp_runtime.server.service import Choice, Service, new_id
+from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import Tool, ToolCall, check_tool
 
 
@@ -185,7 +186,7 @@ class Blocks:
         return ev
 
 
-def _format_grammar(svc: Service, body: dict) -> str | None:
+def _format_grammar(svc: Service, body: dict) -> Grammar | None:
     """Structured output: `output_config.format` (current API) or `output_format` (the beta's spelling)."""
     where = "output_format"
     fmt = get_obj(body, "output_format", None)

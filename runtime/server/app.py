@@ -53,6 +53,16 @@ async def _read_body(svc: Service, request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _check_content_type(request: Request) -> None:
+    """Bodies are JSON and say so, as vLLM and llama.cpp's server require: a form post or a typo'd curl
+    gets a 415 that says what to send, not a guess at what it meant."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"Content-Type: expected application/json, got {kind[:60] or 'none'}; "
+                            "send the body as JSON with 'Content-Type: application/json'",
+                       param="Content-Type", code="unsupported_media_type")
+
+
 def _api(svc: Service, handler, endpoint: str, method_body: bool = True):
     async def route(request: Request) -> Response:
         request.state.t0 = time.perf_counter()
@@ -62,7 +72,8 @@ def _api(svc: Service, handler, endpoint: str, method_body: bool = True):
                 raise APIError(401, "invalid or missing API key: send Authorization: Bearer KEY or x-api-key: KEY",
                                code="invalid_api_key")
             if method_body:
-                body = parse_json_object(await _read_body(svc, request))
+                _check_content_type(request)
+                body = parse_json_object(await _read_body(svc, request), svc.limits.max_json_depth)
                 response = await handler(svc, request, body)
             else:
                 response = await handler(svc, request)

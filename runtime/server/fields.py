@@ -3,6 +3,7 @@ that names the field (`temperature: expected a number, got "hot"`), never a 500.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from imp_runtime.server.errors import bad_request
@@ -21,6 +22,8 @@ def _kind(v: Any) -> str:
         return "a string"
     if isinstance(v, list):
         return "an array"
+    if isinstance(v, _NotFinite):
+        return v.text[:20]
     return "an object"
 
 
@@ -29,14 +32,74 @@ def _wrong(name: str, expected: str, v: Any):
     return bad_request(name, f"expected {expected}, got {shown}")
 
 
-def parse_json_object(raw: bytes) -> dict:
+class _NotFinite:
+    """Where the body held NaN, Infinity or a number too large for a float: Python's JSON reader takes
+    them, JSON has no such numbers, and a sampler given one samples garbage. Kept as a marker so the
+    400 can name the field."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _float_or_marker(text: str):
+    v = float(text)
+    return v if math.isfinite(v) else _NotFinite(text)
+
+
+def parse_json_object(raw: bytes, max_depth: int = 64) -> dict:
+    """The request body: a JSON object of finite numbers and valid Unicode strings, nested at most
+    `max_depth` deep. Anything else is a 400 naming the field, before any work starts."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_NotFinite, parse_float=_float_or_marker)
+    except RecursionError:
+        raise bad_request("body", f"the request body is nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request("body", f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise bad_request("body", f"the request body must be a JSON object, got {_kind(body)}")
+    _check_tree(body, max_depth)
     return body
+
+
+def _valid_unicode(s: str) -> bool:
+    # a JSON escape can spell a lone UTF-16 surrogate ("\ud800"), which no encoder (or tokenizer) takes
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _check_tree(body: dict, max_depth: int) -> None:
+    """Depth and string checks without recursion (the body is untrusted); paths are built only for the
+    error message."""
+    stack: list[tuple[object, tuple, int]] = [(body, (), 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > max_depth:
+            raise bad_request(_path(path[:1]) or "body", f"nested deeper than {max_depth} levels")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(k, str) and not _valid_unicode(k):
+                raise bad_request(_path(path) or "body", f"the key {ascii(k)[:40]} is not valid Unicode "
+                                                        "(a lone UTF-16 surrogate)")
+            if isinstance(v, str):
+                if not _valid_unicode(v):
+                    raise bad_request(_path(path + (k,)), "not valid Unicode (a lone UTF-16 surrogate)")
+            elif isinstance(v, _NotFinite):
+                raise bad_request(_path(path + (k,)), f"expected a finite number, got {v.text[:20]}")
+            elif isinstance(v, (dict, list)):
+                stack.append((v, path + (k,), depth + 1))
+
+
+def _path(path: tuple) -> str:
+    """("messages", 0, "content") -> messages[0].content"""
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
 
 
 def get_int(obj: dict, name: str, default=None, *, lo: int | None = None, hi: int | None = None,
@@ -51,10 +114,15 @@ def get_int(obj: dict, name: str, default=None, *, lo: int | None = None, hi: in
         raise _wrong(label, "an integer", v)
     v = int(v)
     if lo is not None and v < lo:
-        raise bad_request(label, f"must be at least {lo}, got {v}")
+        raise bad_request(label, f"must be at least {lo}, got {_short(v)}")
     if hi is not None and v > hi:
-        raise bad_request(label, f"must be at most {hi}, got {v}")
+        raise bad_request(label, f"must be at most {hi}, got {_short(v)}")
     return v
+
+
+def _short(v: int) -> str:
+    text = str(v)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
 def get_number(obj: dict, name: str, default=None, *, lo: float | None = None, hi: float | None = None,
@@ -65,11 +133,17 @@ def get_number(obj: dict, name: str, default=None, *, lo: float | None = None, h
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _wrong(label, "a number", v)
+    try:
+        v = float(v)                    # an integer of 400 digits is no float
+    except OverflowError:
+        raise bad_request(label, f"expected a finite number, got {_short(v)}") from None
+    if not math.isfinite(v):
+        raise bad_request(label, f"expected a finite number, got {v}")
     if lo is not None and v < lo:
         raise bad_request(label, f"must be at least {lo:g}, got {v:g}")
     if hi is not None and v > hi:
         raise bad_request(label, f"must be at most {hi:g}, got {v:g}")
-    return float(v)
+    return v
 
 
 def get_bool(obj: dict, name: str, default: bool = False, label: str | None = None) -> bool:

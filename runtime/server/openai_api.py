@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from imp_runtime.server.errors import APIError, bad_request, openai_error_body
 from imp_runtime.server.fields import (get_bool, get_int, get_list, get_obj, get_stop, get_str)
 from imp_runtime.server.service import Choice, Service, new_id
+from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import Tool, ToolCall, check_tool
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -96,7 +97,7 @@ def parse_tools(svc: Service, body: dict, flat: bool = False) -> tuple[list[Tool
     return tools, "required", forced
 
 
-def format_grammar(svc: Service, fmt, where: str, flat: bool = False) -> str | None:
+def format_grammar(svc: Service, fmt, where: str, flat: bool = False) -> Grammar | None:
     """response_format (chat) / text.format (responses, `flat`) -> an llguidance grammar or None.
     Beyond OpenAI's types, {"type": "regex", "regex": ...} constrains to a regular expression."""
     if fmt is None:
@@ -209,7 +210,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     ids = svc.encode_chat(messages, active_tools)
     budget = svc.budget(len(ids), max_tokens, "messages", max_field)
     params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
-    jobs = [svc.start(request, ids, _seeded(params, i), grammar) for i in range(n)]
+    jobs = [svc.start(request, ids, svc.for_choice(params, i), grammar) for i in range(n)]
     choices = [Choice(svc, svc.tool_format if active_tools else None) for _ in range(n)]
     rid, created = new_id("chatcmpl-"), int(time.time())
 
@@ -255,14 +256,6 @@ async def chat_completions(svc: Service, request: Request, body: dict):
         yield "data: [DONE]\n\n"
 
     return event_stream(body_iter())
-
-
-def _seeded(params, i: int):
-    """Choice i of n draws from seed + i, so a seeded request is reproducible and its choices differ."""
-    if i == 0 or params.seed is None:
-        return params
-    from dataclasses import replace
-    return replace(params, seed=params.seed + i)
 
 
 def _message(c: Choice) -> dict:
@@ -326,7 +319,7 @@ async def completions(svc: Service, request: Request, body: dict):
     jobs, choices, index = [], [], []
     for pi, (ids, params) in enumerate(plans):
         for j in range(n):
-            jobs.append(svc.start(request, ids, _seeded(params, j), grammar))
+            jobs.append(svc.start(request, ids, svc.for_choice(params, j), grammar))
             choices.append(Choice(svc, None))
             index.append(pi)
     n_prompt = sum(len(prompts[i][1]) for i in sorted(set(index)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -17,14 +17,18 @@ from imp_runtime.server.errors import APIError, bad_request
 from imp_runtime.server.fields import get_int, get_number, get_str
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
-from imp_runtime.server.structured import Grammars
+from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
 from imp_runtime.server.tools import Tool, ToolCall, ToolFormat, detect_format
+
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
 class Limits:
     max_n: int = 8                       # choices per request
     max_body_bytes: int = 4 << 20        # larger bodies are a 413
+    max_json_depth: int = 64             # deeper bodies are a 400 (deep enough for any real JSON schema)
     max_running: int = 16                # generations interleaved at once; the rest wait in FIFO order
     page_size: int = 16                  # KV page size reported in metrics
 
@@ -87,7 +91,10 @@ class Service:
         """The sampling fields both OpenAI and Anthropic share (names as OpenAI/vLLM spell them);
         unset ones take the bundle's generation defaults, then the API's."""
         d = self.engine.generation_defaults
-        top_k = get_int(body, "top_k", d.get("top_k", 0), lo=-1)
+        top_k = get_int(body, "top_k", d.get("top_k", 0), lo=-1, hi=_INT32_MAX)
+        # any signed 64-bit seed, as OpenAI and vLLM take; the generator reads its unsigned bit pattern,
+        # so a negative seed is reproducible like any other
+        seed = get_int(body, "seed", None, lo=-2**63, hi=2**63 - 1)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=get_number(body, "temperature", d.get("temperature", 1.0), lo=0.0, hi=temperature_max),
@@ -97,11 +104,18 @@ class Service:
             repetition_penalty=get_number(body, "repetition_penalty", d.get("repetition_penalty", 1.0), lo=0.01, hi=10.0),
             presence_penalty=get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-            seed=get_int(body, "seed", None),
+            seed=None if seed is None else seed % 2**64,
             stop=list(stop),
             logprobs=logprobs)
 
-    def tool_grammar(self, tools: list[Tool], field_name: str) -> str:
+    @staticmethod
+    def for_choice(params: SamplingParams, i: int) -> SamplingParams:
+        """Choice i of n draws from seed + i, so a seeded request is reproducible and its choices differ."""
+        if i == 0 or params.seed is None:
+            return params
+        return replace(params, seed=(params.seed + i) % 2**64)
+
+    def tool_grammar(self, tools: list[Tool], field_name: str) -> Grammar:
         return self.grammars.lark(self.tool_format.grammar(tools), field_name)
 
     def check_tools(self, tools: list[Tool], where: list[str]) -> None:
@@ -111,7 +125,7 @@ class Service:
 
     # --- running ---
 
-    def start(self, request: Request, ids: list[int], params: SamplingParams, grammar: str | None) -> Job:
+    def start(self, request: Request, ids: list[int], params: SamplingParams, grammar: Grammar | None) -> Job:
         constraint = self.grammars.constraint(grammar) if grammar else None
         return self.queue.submit(ids, params, constraint, t_arrival=request.state.t0)
 
@@ -125,7 +139,10 @@ class Service:
         try:
             await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
             if gathered.done():
-                return gathered.result()        # raises the APIError of a failed generation
+                try:
+                    return gathered.result()
+                except APIError as e:           # a failed generation
+                    raise _explained(jobs, e) from None
             raise APIError(499, "the client closed the connection")
         finally:
             watcher.cancel()
@@ -142,8 +159,8 @@ class Service:
             try:
                 async for ev in job.stream():
                     await out.put((i, ev))
-            except Exception as e:  # an APIError from the job: hand it to the consumer
-                await out.put((i, e))
+            except APIError as e:  # the job failed: hand the error to the consumer
+                await out.put((i, _explained([job], e)))
             await out.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, j)) for i, j in enumerate(jobs)]
@@ -162,6 +179,16 @@ class Service:
                 t.cancel()
             for j in jobs:
                 self.queue.cancel(j)
+
+
+def _explained(jobs: list[Job], error: APIError) -> APIError:
+    """A generation that failed because its grammar did is the request's problem, not the server's: a
+    400 naming the field the grammar came from, not the queue's generic 500."""
+    for job in jobs:
+        c = job.constraint
+        if isinstance(c, GrammarConstraint) and c.failure is not None:
+            return bad_request(c.field, f"the grammar failed during generation: {c.failure}")
+    return error
 
 
 async def _disconnected(request: Request) -> None:
