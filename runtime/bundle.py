@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ class Bundle:
     path: Path
     manifest: dict
     spec: ModelSpec
+    _programs: dict = field(default_factory=dict, repr=False, compare=False)   # target -> validated Program
 
     @property
     def name(self) -> str:
@@ -64,6 +65,8 @@ class Bundle:
     def program(self, target: str):
         """The launch program of one target, parsed and validated against the cubin's kernels."""
         from imp_runtime.program import ProgramError, loads, validate
+        if target in self._programs:
+            return self._programs[target]
         k = self.manifest.get("kernels", {})
         rel = k.get("programs", {}).get(target)
         if rel is None:
@@ -76,6 +79,7 @@ class Bundle:
             validate(prog, set(k["functions"][target]))
         except ProgramError as e:
             raise BundleError(f"{self.file(rel)}: launch program refused: {e}") from None
+        self._programs[target] = prog
         return prog
 
     @property

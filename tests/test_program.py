@@ -14,7 +14,7 @@ import pytest
 
 from impc.compile import CompileOptions, compile_model
 from imp_runtime.bundle import BundleError, load_bundle, sha256_file
-from imp_runtime.program import Launch, ProgramError, dumps, loads, validate
+from imp_runtime.program import ProgramError, dumps, loads, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 
