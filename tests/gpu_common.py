@@ -6,7 +6,6 @@ cannot be built fails the test (a GPU check that silently skips would prove noth
 from __future__ import annotations
 
 import os
-import weakref
 from pathlib import Path
 
 import pytest
@@ -38,13 +37,10 @@ def gpu_bundle(name: str) -> Path:
     return path
 
 
-_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def solo(ex):
     """A sequence on executor ex (runtime/kv_blocks.py's SoloSequence), its pages from one block manager
     per executor, so sequences alive at the same time never share a page."""
     from imp_runtime.kv_blocks import BlockManager, SoloSequence
-    if ex not in _BLOCKS:
-        _BLOCKS[ex] = BlockManager(ex.num_pages, ex.page_size)
-    return SoloSequence(ex, _BLOCKS[ex])
+    if getattr(ex, "_test_blocks", None) is None:
+        ex._test_blocks = BlockManager(ex.num_pages, ex.page_size)
+    return SoloSequence(ex, ex._test_blocks)
