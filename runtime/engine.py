@@ -1,12 +1,13 @@
 """The request path below the server: tokens in, a stream of token events out.
 
-Engine owns the bundle, the tokenizer, the chat template and one executor. `generate` drives
-prefill, then decode steps, sampling each token on the host and applying stop strings; callers
-(impc run, the HTTP server) only iterate over TokenEvents.
+Engine owns the bundle, the tokenizer, the chat template, one executor and the scheduler over it
+(runtime/scheduler.py decides each step; runtime/kv_blocks.py holds the pages and the prefix cache).
+A `Generation` is one request's host-side work: sampling where the host must (logprobs, penalties,
+constraints), stop strings and detokenizing. `generate` serves one request from the caller's thread
+(impc run); the HTTP server's queue steps the same scheduler from its worker thread.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -15,7 +16,9 @@ import numpy as np
 
 from imp_runtime.bundle import Bundle, load_bundle
 from imp_runtime.chat_template import ChatTemplate
-from imp_runtime.sampler import Sampler, SamplingParams, log_softmax
+from imp_runtime.kv_blocks import BlockManager
+from imp_runtime.sampler import Sampler, SamplingParams, choose, log_softmax, step_rng
+from imp_runtime.scheduler import Request, RequestTooLarge, Scheduler, SchedulerConfig
 from imp_runtime.tokenizer import Tokenizer
 
 
@@ -37,10 +40,12 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None           # None while running; "stop" | "length" at the end
+    cached_tokens: int = 0                     # prompt tokens whose KV came from the prefix cache
 
 
-def make_executor(bundle: Bundle, device: str = "auto"):
-    """`cuda` when a GPU and a matching cubin are present, `cpu` otherwise; `device` forces one."""
+def make_executor(bundle: Bundle, device: str = "auto", kv_pages: int | None = None):
+    """`cuda` when a GPU and a matching cubin are present, `cpu` otherwise; `device` forces one.
+    kv_pages: the KV pool's size in pages (padding page included) instead of the plan's."""
     if device not in ("auto", "cpu", "cuda"):
         raise RequestError(f"unknown device '{device}': choose auto, cpu or cuda")
     if device in ("auto", "cuda"):
@@ -51,25 +56,30 @@ def make_executor(bundle: Bundle, device: str = "auto"):
                 raise RequestError("the cuda executor is not available in this build") from None
         else:
             if gpu_available():
-                return CudaExecutor(bundle)
+                return CudaExecutor(bundle, kv_pages=kv_pages)
             if device == "cuda":
                 raise RequestError("no NVIDIA GPU with a working driver was found (use --device cpu)")
     from imp_runtime.executor_cpu import CpuExecutor
-    return CpuExecutor(bundle)
+    return CpuExecutor(bundle, num_pages=kv_pages)
 
 
 class Engine:
-    def __init__(self, bundle_path: str | Path, device: str = "auto", verify: bool = True):
+    """The bundle, its tokenizer and chat template, one executor, and the scheduler that shares the
+    executor among requests (with the KV block manager and its prefix cache)."""
+
+    def __init__(self, bundle_path: str | Path, device: str = "auto", verify: bool = True,
+                 max_running: int | None = None, kv_pages: int | None = None):
         self.bundle = load_bundle(bundle_path, verify=verify)
         m = self.bundle.manifest
         self.name = self.bundle.name
         self.tokenizer = Tokenizer(self.bundle.tokenizer_json(), m["tokenizer"])
         self.chat = ChatTemplate(self.bundle.chat_template(), m["tokenizer"].get("bos_token"),
                                  m["tokenizer"].get("eos_token"))
-        self.executor = make_executor(self.bundle, device)
+        self.executor = make_executor(self.bundle, device, kv_pages)
         self.max_context: int = m["plan"]["max_context"]
         self.generation_defaults: dict = m.get("generation", {})
-        self.lock = threading.Lock()   # one executor step at a time; requests interleave step by step
+        self.blocks = BlockManager(self.executor.num_pages, self.executor.page_size)
+        self.scheduler = Scheduler(self.executor, self.blocks, SchedulerConfig.for_executor(self.executor, max_running))
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
         return self.chat.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
@@ -77,50 +87,52 @@ class Engine:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, tools, **kwargs))
 
-    def start(self, prompt_ids: list[int], params: SamplingParams,
-              constraint: Constraint | None = None) -> "Generation":
-        """Check a request and prefill it; then `next_event` / `decode_batch` drive it."""
-        g = Generation(self, prompt_ids, params, constraint)
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               constraint: Constraint | None = None) -> Request:
+        """Check a request and queue it on the scheduler (RequestError when it cannot be served)."""
+        gen = Generation(self, prompt_ids, params, constraint)
         try:
-            g.prefill()
-        except BaseException:
-            g.close()
-            raise
-        return g
-
-    def decode_batch(self, gens: list["Generation"]) -> None:
-        """One decode step for every generation that has a pending token, as ONE executor batch:
-        continuous batching (sequences join and leave between steps)."""
-        gens = [g for g in gens if g.pending is not None]
-        if not gens:
-            return
-        with self.lock:
-            logits = self.executor.decode([g.sid for g in gens], [g.pending for g in gens])
-        for g, row in zip(gens, logits):
-            g.logits, g.pending = row, None
+            return self.scheduler.submit(gen)
+        except RequestTooLarge as e:
+            raise RequestError(str(e)) from None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  constraint: Constraint | None = None) -> Iterator[TokenEvent]:
-        """Yield one TokenEvent per generated token; the last carries finish_reason. Closing the
-        iterator early (a client went away) frees the sequence's KV cache."""
-        g = Generation(self, prompt_ids, params, constraint)
+        """Yield one TokenEvent per generated token; the last carries finish_reason. The caller's thread
+        steps the scheduler (so not for a scheduler a server's worker steps). Closing the iterator early
+        cancels the request, which frees its KV pages at once."""
+        req = self.submit(prompt_ids, params, constraint)
         try:
-            g.prefill()
-            while True:
-                ev = g.next_event()
-                yield ev
-                if ev.finish_reason:
-                    return
-                self.decode_batch([g])
+            while not req.done:
+                for out in self.scheduler.step():
+                    if out.request is req:
+                        if out.error is not None:
+                            raise out.error
+                        yield out.event
         finally:
-            g.close()
+            self.scheduler.cancel(req)
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams) -> list[list[TokenEvent]]:
+        """Several requests at once through the scheduler (continuous batching); each one's events."""
+        reqs = [self.submit(p, params) for p in prompts]
+        events: dict[int, list[TokenEvent]] = {id(r): [] for r in reqs}
+        try:
+            while not all(r.done for r in reqs):
+                for out in self.scheduler.step():
+                    if out.error is not None:
+                        raise out.error
+                    events[id(out.request)].append(out.event)
+        finally:
+            for r in reqs:
+                self.scheduler.cancel(r)
+        return [events[id(r)] for r in reqs]
 
 
 class Generation:
-    """One request's generation: its sequence in the executor, its sampler, its detokenizer and the
-    stop-string hold-back. `next_event` samples from the latest logits; the token it returns becomes
-    `pending` until a decode step (`Engine.decode_batch`, possibly shared with other generations)
-    turns it into the next logits."""
+    """One request's host side: its sampler, its detokenizer and the stop-string hold-back. The
+    scheduler feeds it each step's result: `on_logits` where the request samples on the host (logprobs,
+    penalties, a token-mask constraint, and every first token, which comes from a prefill's logits),
+    `on_token` where the executor sampled it."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  constraint: Constraint | None):
@@ -130,32 +142,54 @@ class Generation:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
-        self.engine, self.prompt_ids, self.params, self.constraint = engine, list(prompt_ids), params, constraint
+        self.prompt_ids, self.params, self.constraint = list(prompt_ids), params, constraint
         self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
+        self.host_sampled = (constraint is not None or params.logprobs is not None or params.repetition_penalty != 1.0
+                             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
         self.sampler = Sampler(params, prompt_ids)
         self.detok = engine.tokenizer.detokenizer()
         self.stops = [s for s in params.stop if s]
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.tokenizer.eos_ids)
         self.held = ""                 # text not yet released: it might be the start of a stop string
-        self.n = 0                     # tokens sampled so far
-        self.sid: int | None = None
-        self.logits: np.ndarray | None = None
-        self.pending: int | None = None
+        self.out: list[int] = []       # tokens sampled so far
         self.finished = False
 
-    def prefill(self) -> None:
-        ex = self.engine.executor
-        with self.engine.lock:
-            self.sid = ex.new_sequence()
-            self.logits = ex.prefill(self.sid, self.prompt_ids)
+    # --- what the scheduler reads ---
 
-    def next_event(self) -> TokenEvent:
-        """Sample the next token from the current logits and say what text it adds."""
+    @property
+    def kv_length(self) -> int:
+        """Positions whose KV must be written before the next decode step: all but the last sampled token."""
+        return len(self.prompt_ids) + max(len(self.out) - 1, 0)
+
+    def kv_tokens(self) -> list[int]:
+        return (self.prompt_ids + self.out)[:self.kv_length]
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.out
+
+    @property
+    def pending(self) -> int:
+        """The token the next decode step feeds: the last one sampled."""
+        return self.out[-1]
+
+    # --- the step's result ---
+
+    def on_logits(self, logits: np.ndarray) -> TokenEvent:
+        allowed = self.constraint.allowed() if self.constraint else None
+        if self.host_sampled:
+            tok, scored = self.sampler.sample(logits, allowed)
+        else:      # as the executor samples: a seeded draw depends on (seed, position) only
+            seed, pos = self.params.seed, len(self.prompt_ids) + len(self.out)
+            tok, scored = choose(logits, self.params, self.sampler.rng if seed is None else step_rng(seed, pos)), logits
+        return self._event(tok, scored)
+
+    def on_token(self, tok: int) -> TokenEvent:
+        return self._event(tok, None)
+
+    def _event(self, tok: int, scored: np.ndarray | None) -> TokenEvent:
+        """Record the sampled token and say what text it adds."""
         p, constraint = self.params, self.constraint
-        self.n += 1
-        allowed = constraint.allowed() if constraint else None
-        tok, scored = self.sampler.sample(self.logits, allowed)
-        self.logits = None
+        self.out.append(tok)
         if constraint:
             constraint.advance(tok)
         lp, top = None, []
@@ -174,26 +208,17 @@ class Generation:
         finish = None
         if constraint and constraint.is_done():
             finish = "stop"
-        elif self.n == self.budget:
+        elif len(self.out) == self.budget:
             finish = "length"
         keep = 0 if finish else _stop_prefix_len(self.held, self.stops)
         text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         if finish:
             return self._finish(TokenEvent(tok, text, lp, top, finish))
-        self.pending = tok
         return TokenEvent(tok, text, lp, top, None)
 
     def _finish(self, ev: TokenEvent) -> TokenEvent:
         self.finished = True
         return ev
-
-    def close(self) -> None:
-        """Free the sequence's KV cache (idempotent)."""
-        if self.sid is not None:
-            with self.engine.lock:
-                self.engine.executor.free(self.sid)
-            self.sid = None
-        self.pending = None
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

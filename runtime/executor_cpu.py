@@ -6,12 +6,15 @@ a machine without a GPU. Each function below is the reference of one kernel fami
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from imp_runtime.bundle import Bundle
+from imp_runtime.executor import StepResult, StepRow
 from imp_runtime.rope import apply_rope, cos_sin
+from imp_runtime.sampler import choose, step_rng
 from imp_runtime.spec import ModelSpec
 
 # ------------------------------------------------------------------ kernel references
@@ -62,17 +65,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
 
 # ------------------------------------------------------------------ executor
 
+KV_BUDGET_BYTES = 1 << 30          # the pool's cap on the host; numpy's zeroed memory is committed lazily
+DEFAULT_PAGE_SIZE = 16             # a cpu-only bundle plans no GPU target to take these from
+DEFAULT_PREFILL_CHUNK = 512
+
 
 @dataclass
 class _Sequence:
-    k: list[np.ndarray]            # per layer [capacity, KV, hd]
-    v: list[np.ndarray]
-    length: int = 0
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # page of each page index
 
 
 @dataclass
 class CpuExecutor:
+    """The paged KV pool is kv[layer, K|V, page, offset, kv_head, head_dim] in float32; a sequence's
+    position p lives at (pages[p // page_size], p % page_size), pages being what `set_pages` gave."""
     bundle: Bundle
+    num_pages: int | None = None           # None: from the plan (context x batch), capped by kv_bytes
+    kv_bytes: int = KV_BUDGET_BYTES
     w: dict[str, np.ndarray] = field(init=False, repr=False)
     name = "cpu"
 
@@ -80,51 +89,93 @@ class CpuExecutor:
         self.spec: ModelSpec = self.bundle.spec
         self.w = self.bundle.float_weights()
         self.head = self.w["embed"] if self.spec.tie_embeddings else self.w["lm_head"]
-        self.max_context: int = self.bundle.manifest["plan"]["max_context"]
+        plan = self.bundle.manifest["plan"]
+        target = next(iter(plan.get("targets", {}).values()), {})
+        self.max_context: int = plan["max_context"]
+        self.max_batch: int = plan.get("max_batch", 64)
+        self.page_size: int = target.get("page_size", DEFAULT_PAGE_SIZE)
+        self.prefill_chunk: int = min(target.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), self.max_context)
+        s = self.spec
+        page_bytes = 2 * s.n_layers * self.page_size * s.kv_dim * 4
+        one_sequence = math.ceil(self.max_context / self.page_size)
+        if self.num_pages is None:
+            wanted = math.ceil(self.max_context * self.max_batch / self.page_size)
+            self.num_pages = 1 + max(one_sequence, min(wanted, self.kv_bytes // page_bytes))
+        self.kv = np.zeros((s.n_layers, 2, self.num_pages, self.page_size, s.n_kv_heads, s.head_dim), np.float32)
         self._seqs: dict[int, _Sequence] = {}
-        self._next = 0
+        self._next = 1
+        self._rng = np.random.default_rng()      # rows sampled without a seed
 
-    # --- sequences (the KV cache) ---
+    # --- sequences: slots and their pages ---
 
     def new_sequence(self) -> int:
         sid, self._next = self._next, self._next + 1
-        s = self.spec
-        cap = 256
-        self._seqs[sid] = _Sequence([np.zeros((cap, s.n_kv_heads, s.head_dim), np.float32) for _ in range(s.n_layers)],
-                                    [np.zeros((cap, s.n_kv_heads, s.head_dim), np.float32) for _ in range(s.n_layers)])
+        self._seqs[sid] = _Sequence()
         return sid
+
+    def set_pages(self, sid: int, pages: list[int]) -> None:
+        self._seqs[sid].pages = np.asarray(pages, dtype=np.int64)
 
     def free(self, sid: int) -> None:
         self._seqs.pop(sid, None)
 
-    def length(self, sid: int) -> int:
-        return self._seqs[sid].length
+    def _slots(self, sid: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(page, offset) of each position of sid."""
+        pages = self._seqs[sid].pages
+        index = positions // self.page_size
+        if positions.size and int(index.max()) >= len(pages):
+            raise ValueError(f"sequence {sid} has {len(pages)} KV pages; position {int(positions.max())} "
+                             f"needs {int(index.max()) + 1} (set_pages first)")
+        return pages[index], positions % self.page_size
 
-    def _reserve(self, seq: _Sequence, n: int) -> None:
-        cap = seq.k[0].shape[0]
-        if n <= cap:
-            return
-        new = max(n, cap * 2)
-        for cache in (seq.k, seq.v):
-            for i, a in enumerate(cache):
-                grown = np.zeros((new,) + a.shape[1:], np.float32)
-                grown[:cap] = a
-                cache[i] = grown
+    def _kv_of(self, sid: int, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of positions 0 .. n-1 of sid, gathered from its pages: [n, KV, hd] each."""
+        s, pages = self.spec, self._seqs[sid].pages[:math.ceil(n / self.page_size)]
+        kv = self.kv[layer][:, pages].reshape(2, -1, s.n_kv_heads, s.head_dim)
+        return kv[0, :n], kv[1, :n]
 
     # --- forward ---
 
-    def prefill(self, sid: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens to sequence sid; logits of the last token [V], or of every token [T, V]."""
-        seq = self._seqs[sid]
-        if seq.length + len(tokens) > self.max_context:
-            raise ValueError(f"sequence of {seq.length + len(tokens)} tokens exceeds the context of "
-                             f"{self.max_context}")
-        h = self._forward(seq, np.asarray(tokens, dtype=np.int64))
+    def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
+        """Write KV for tokens at positions start.. (earlier positions already hold KV); logits of the
+        last token [V], or of every token [T, V]."""
+        if start + len(tokens) > self.max_context:
+            raise ValueError(f"sequence of {start + len(tokens)} tokens exceeds the context of {self.max_context}")
+        pos = np.arange(start, start + len(tokens))
+        slots = self._slots(sid, pos)
+
+        def attend(layer: int, q: np.ndarray, window: int) -> np.ndarray:
+            k, v = self._kv_of(sid, layer, start + len(tokens))
+            return attention(q, k, v, pos, self.spec.softmax_scale, window)
+
+        h = self._forward(np.asarray(tokens, dtype=np.int64), pos, slots, attend)
         return self._logits(h if all_logits else h[-1:])[slice(None) if all_logits else 0]
 
-    def decode(self, sids: list[int], tokens: list[int]) -> np.ndarray:
-        """One token for each sequence: logits [B, V]."""
-        return np.stack([self.prefill(sid, [tok]) for sid, tok in zip(sids, tokens)])
+    def decode(self, rows: list[StepRow]) -> StepResult:
+        """One token for every row as one batch: each linear is one matrix product over all rows, and
+        attention runs per row over that row's pages; then each row is sampled with its parameters."""
+        if not 1 <= len(rows) <= self.max_batch:
+            raise ValueError(f"a decode step takes 1 to {self.max_batch} rows, not {len(rows)}")
+        pos = np.asarray([r.position for r in rows], dtype=np.int64)
+        if int(pos.max()) >= self.max_context:
+            raise ValueError(f"position {int(pos.max())} is past the context of {self.max_context}")
+        per_row = [self._slots(r.sid, pos[i:i + 1]) for i, r in enumerate(rows)]
+        slots = (np.concatenate([p for p, _ in per_row]), np.concatenate([o for _, o in per_row]))
+
+        def attend(layer: int, q: np.ndarray, window: int) -> np.ndarray:
+            out = np.empty_like(q)
+            for i, r in enumerate(rows):
+                k, v = self._kv_of(r.sid, layer, r.position + 1)
+                out[i:i + 1] = attention(q[i:i + 1], k, v, pos[i:i + 1], self.spec.softmax_scale, window)
+            return out
+
+        h = self._forward(np.asarray([r.token for r in rows], dtype=np.int64), pos, slots, attend)
+        logits = self._logits(h)
+        tokens = []
+        for i, r in enumerate(rows):
+            seeded = r.params is not None and r.params.seed is not None
+            tokens.append(choose(logits[i], r.params, step_rng(r.params.seed, r.position + 1) if seeded else self._rng))
+        return StepResult(tokens, {i: logits[i] for i, r in enumerate(rows) if r.want_logits})
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         s = self.spec
@@ -133,11 +184,13 @@ class CpuExecutor:
             logits = np.tanh(logits / np.float32(s.final_softcap)) * np.float32(s.final_softcap)
         return logits
 
-    def _forward(self, seq: _Sequence, tokens: np.ndarray) -> np.ndarray:
+    def _forward(self, tokens: np.ndarray, pos: np.ndarray, slots: tuple[np.ndarray, np.ndarray],
+                 attend) -> np.ndarray:
+        """The layers over T rows (one sequence's chunk or one row per sequence): row t has position
+        pos[t] and its KV goes to slots[t]; attend(layer, q, window) -> [T, H, hd] reads the cache."""
         s, w = self.spec, self.w
-        t, start = len(tokens), seq.length
-        pos = np.arange(start, start + t)
-        self._reserve(seq, start + t)
+        t = len(tokens)
+        page, offset = slots
         x = w["embed"][tokens] * np.float32(s.embed_scale)
         for i in range(s.n_layers):
             p = f"layers.{i}."
@@ -154,10 +207,9 @@ class CpuExecutor:
                 k = rms_norm(k, w[p + "k_norm"], s.norm_eps)
             cos, sin = cos_sin(s, i, pos)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            seq.k[i][start:start + t] = k
-            seq.v[i][start:start + t] = v
-            window = s.sliding_window if s.kind(i) == "sliding" else 0
-            o = attention(q, seq.k[i][:start + t], seq.v[i][:start + t], pos, s.softmax_scale, window)
+            self.kv[i, 0, page, offset] = k
+            self.kv[i, 1, page, offset] = v
+            o = attend(i, q, s.sliding_window if s.kind(i) == "sliding" else 0)
             o = o.reshape(t, s.q_dim) @ w[p + "o"].T
             if s.sandwich_norm:
                 o = rms_norm(o, w[p + "post_attn_norm"], s.norm_eps)
@@ -168,5 +220,4 @@ class CpuExecutor:
             if s.sandwich_norm:
                 m = rms_norm(m, w[p + "post_ffn_norm"], s.norm_eps)
             x = x + m
-        seq.length = start + t
         return x

@@ -1,4 +1,7 @@
-"""Sampling on the host from one row of logits: penalties, temperature, top-k, top-p, min-p, seed.
+"""Sampling from one row of logits: penalties, temperature, top-k, top-p, min-p, seed.
+
+`Sampler` is the host's, per request (penalties need the request's history; its seeded generator is
+drawn in sequence). `choose` with `step_rng` is what an executor's decode step applies to each row.
 
 Order (as vLLM and llama.cpp do): constraint mask, penalties, then greedy or temperature -> top-k ->
 top-p -> min-p -> draw. Log-probabilities reported are of the penalised distribution at temperature 1.
@@ -59,24 +62,35 @@ class Sampler:
         logits = self.penalise(logits)
         if allowed is not None:
             logits = np.where(allowed[:logits.shape[0]], logits, -np.inf).astype(np.float32)
-        p = self.p
-        if p.temperature <= 0:
-            tok = int(np.argmax(logits))
-        else:
-            z = logits.astype(np.float64) / p.temperature
-            order = np.argsort(-z, kind="stable")
-            if p.top_k > 0:
-                order = order[:p.top_k]
-            zs = z[order]
-            probs = np.exp(zs - zs[0])
-            probs /= probs.sum()
-            keep = len(order)
-            if p.top_p < 1.0:
-                # keep the smallest prefix whose mass reaches top_p (always at least one token)
-                keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-            if p.min_p > 0.0:
-                keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
-            probs = probs[:keep] / probs[:keep].sum()
-            tok = int(order[self.rng.choice(keep, p=probs)])
+        tok = choose(logits, self.p, self.rng)
         self.out_counts[tok] = self.out_counts.get(tok, 0) + 1
         return tok, logits
+
+
+def choose(logits: np.ndarray, p: SamplingParams | None, rng: np.random.Generator) -> int:
+    """Greedy (p None or temperature 0), or temperature -> top-k -> top-p -> min-p -> draw from rng.
+    The last stage of `Sampler.sample`, and what an executor applies to each row of a decode step."""
+    if p is None or p.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        order = order[:p.top_k]
+    zs = z[order]
+    probs = np.exp(zs - zs[0])
+    probs /= probs.sum()
+    keep = len(order)
+    if p.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+    if p.min_p > 0.0:
+        keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+    probs = probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(keep, p=probs)])
+
+
+def step_rng(seed: int, position: int) -> np.random.Generator:
+    """The generator a seeded row draws its token at `position` from when an executor samples it: a
+    function of (seed, position) only, so a sequence recomputed after preemption, or decoded in another
+    batch, draws the same tokens."""
+    return np.random.default_rng([seed % (1 << 64), position])

@@ -1,6 +1,5 @@
-"""Continuous batching through the server's queue: concurrent requests share one executor decode call
-per step, and each still gets exactly the answer it gets alone (the oracle: the same request served
-by itself)."""
+"""Continuous batching through the server: concurrent requests share one executor decode call per step,
+and each still gets exactly the answer it gets alone (the oracle: the same request served by itself)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +20,14 @@ def ask(url: str, prompt: str) -> str:
 
 
 def test_concurrent_requests_share_decode_steps_and_match_solo_answers(server):  # noqa: F811
-    ex = server.service.engine.executor
+    engine = server.service.engine
+    ex = engine.executor
     batch_sizes: list[int] = []
     real_decode = ex.decode
 
-    def spy(sids, tokens):
-        batch_sizes.append(len(sids))
-        return real_decode(sids, tokens)
+    def spy(rows):
+        batch_sizes.append(len(rows))
+        return real_decode(rows)
 
     solo = [ask(server.url, p) for p in PROMPTS]
     ex.decode = spy
@@ -38,4 +38,5 @@ def test_concurrent_requests_share_decode_steps_and_match_solo_answers(server): 
         del ex.decode          # back to the class's method
     assert together == solo
     assert max(batch_sizes) >= 2, batch_sizes
-    assert not getattr(ex, "_seqs", {})          # every sequence's KV freed
+    assert not getattr(ex, "_seqs", {})          # every sequence's slot freed
+    assert engine.blocks.in_use() == 0           # and every KV page back (cached ones are reclaimable)

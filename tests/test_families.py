@@ -7,6 +7,7 @@ import pytest
 
 from imp_runtime.bundle import load_bundle
 from imp_runtime.executor_cpu import CpuExecutor
+from imp_runtime.kv_blocks import SoloSequence
 
 FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3"]
 PROMPT_LEN, DECODE_STEPS = 64, 16
@@ -46,11 +47,10 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 def imp_logits(bundle_path, tokens: list[int]) -> np.ndarray:
-    ex = CpuExecutor(load_bundle(bundle_path))
-    sid = ex.new_sequence()
-    rows = [ex.prefill(sid, tokens[:PROMPT_LEN], all_logits=True)]
+    seq = SoloSequence(CpuExecutor(load_bundle(bundle_path)))
+    rows = [seq.prefill(tokens[:PROMPT_LEN], all_logits=True)]
     for t in tokens[PROMPT_LEN:]:
-        rows.append(ex.decode([sid], [t]))
+        rows.append(seq.decode(t))
     return np.concatenate(rows)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from imp_runtime.engine import Engine, RequestError
+from imp_runtime.kv_blocks import SoloSequence
 from imp_runtime.sampler import Sampler, SamplingParams
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
@@ -118,10 +119,9 @@ def test_closing_the_stream_frees_the_sequence(engine):
 def test_logprobs_are_log_softmax(engine):
     ids = engine.tokenizer.encode("w10 w20 w30")
     ev = next(iter(engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=3))))
-    ex = engine.executor
-    sid = ex.new_sequence()
-    logits = ex.prefill(sid, ids).astype(np.float64)
-    ex.free(sid)
+    seq = SoloSequence(engine.executor, engine.blocks)
+    logits = seq.prefill(ids).astype(np.float64)
+    seq.close()
     ref = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
     assert ev.logprob == pytest.approx(ref[ev.token_id], abs=1e-5)
     assert [t for t, _ in ev.top_logprobs] == list(np.argsort(-ref)[:3])

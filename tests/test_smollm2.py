@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from imp_runtime.engine import Engine
+from imp_runtime.kv_blocks import SoloSequence
 from imp_runtime.sampler import SamplingParams
 from tests.conftest import compiled_smollm2, smollm2_gguf
 
@@ -68,9 +69,8 @@ def test_bf16_bundle_logits_match_transformers(smol_bundles, hf_tokenizer):
             ref.append(out.logits[0].numpy())
             nxt = int(out.logits[0, -1].argmax())
     ref = np.concatenate(ref)
-    ex = engine.executor
-    sid = ex.new_sequence()
-    got = [ex.prefill(sid, ids, all_logits=True)] + [ex.decode([sid], [t]) for t in steps]
+    seq = SoloSequence(engine.executor, engine.blocks)
+    got = [seq.prefill(ids, all_logits=True)] + [seq.decode(t) for t in steps]
     got = np.concatenate(got)
     assert float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) <= 1e-3
 

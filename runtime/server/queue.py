@@ -1,24 +1,23 @@
-"""A fair queue of generations, run off the event loop.
+"""The server's side of the scheduler: jobs in from the event loop, token events back to it.
 
-One worker thread owns the engine. Requests wait in FIFO order for one of `max_running` slots. Each
-turn the worker runs ONE decode step for every running generation together (continuous batching:
-`Engine.decode_batch`, one executor batch, so on the GPU one graph replay serves them all), then
-prefills the requests that just got a slot; every running generation gets one token per turn, so all
-clients make progress and none starves. Events cross to the event loop with `call_soon_threadsafe`.
-A cancelled job (its client left) is retired on the worker's next turn, which frees its KV cache.
+One worker thread owns the engine's scheduler (runtime/scheduler.py) and steps it while there is work;
+every step decodes one token for every running request as one executor batch and prefills chunks of
+newcomers' prompts, so all clients progress together. Each step's events cross to the event loop with
+`call_soon_threadsafe`. A cancelled job (its client left) frees its KV pages at once, or at the end of
+the step running at that moment.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from imp_runtime.engine import Constraint, Engine, Generation, RequestError, TokenEvent
+from imp_runtime.engine import Constraint, Engine, RequestError, TokenEvent
 from imp_runtime.sampler import SamplingParams
+from imp_runtime.scheduler import Request, StepOutput
 from imp_runtime.server.errors import APIError
 from imp_runtime.server.metrics import Metrics
 
@@ -35,9 +34,14 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     done: bool = False                       # the consumer has seen the last event (or the error)
-    generated: int = 0                       # tokens produced so far (their KV is held)
-    generation: Generation | None = None
+    generated: int = 0                       # tokens produced so far
+    request: Request | None = None           # the scheduler's; None when refused at submission
     t_last: float = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (usage's cached_tokens)."""
+        return self.request.cached_tokens if self.request else 0
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """Token events as the worker produces them; raises the APIError a failed generation gave."""
@@ -55,17 +59,27 @@ class Job:
 
 class FairQueue:
     def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, page_size: int = 16):
+        # page_size is the executor's now (engine.executor.page_size); the argument is kept for callers
         self.engine = engine
         self.metrics = metrics
-        self.max_running = max_running
-        self.page_size = page_size
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.running: list[Job] = []
+        self.scheduler = engine.scheduler
+        cfg = self.scheduler.config
+        cfg.max_running = min(max_running, engine.executor.max_batch)
+        cfg.step_tokens = max(cfg.step_tokens, cfg.max_running)
+        self.jobs: dict[int, Job] = {}            # id(request) -> job, owned by the worker
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._work, name="imp-generation", daemon=True)
         self.thread.start()
         metrics.kv_pages.set_function(self.kv_pages_in_use)
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.queued()
 
     # --- called from the event loop ---
 
@@ -73,22 +87,28 @@ class FairQueue:
                t_arrival: float | None = None) -> Job:
         job = Job(list(prompt_ids), params, constraint, asyncio.get_running_loop(),
                   t_arrival if t_arrival is not None else time.perf_counter())
-        with self.cond:
-            self.waiting.append(job)
+        with self.cond:        # registered before the worker can see the request, so no event is lost
+            try:
+                job.request = self.engine.submit(job.prompt_ids, params, constraint)
+            except RequestError as e:
+                job.events.put_nowait(APIError(400, str(e)))
+                return job
+            self.jobs[id(job.request)] = job
             self._gauges()
             self.cond.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: drop the job; if it is running, the worker frees its KV next turn."""
+        """The client went away: drop the job and free its KV pages."""
         with self.cond:
-            if job.cancelled or job.done:
+            if job.cancelled or job.done or job.request is None or job.request.done:
                 return
             job.cancelled = True
             self.metrics.cancelled.inc()
-            if job in self.waiting:
-                self.waiting.remove(job)
-                self._gauges()
+        self.scheduler.cancel(job.request)
+        with self.cond:
+            self.jobs.pop(id(job.request), None)
+            self._gauges()
             self.cond.notify()
 
     def close(self) -> None:
@@ -98,66 +118,53 @@ class FairQueue:
         self.thread.join(timeout=5)
 
     def kv_pages_in_use(self) -> int:
-        with self.cond:
-            return sum(-(-(len(j.prompt_ids) + j.generated) // self.page_size) for j in self.running if j.generation)
+        return self.engine.blocks.in_use()
 
     # --- the worker thread ---
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.waiting))
-        self.metrics.running.set(len(self.running))
+        self.metrics.queue_depth.set(len(self.scheduler.queued()))
+        self.metrics.running.set(len(self.scheduler.running))
 
     def _work(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.running or self.stopped):
+                while not (self.scheduler.has_work() or self.stopped):
                     self.cond.wait()
                 if self.stopped:
-                    for job in self.running:
-                        self._close(job)
+                    for job in list(self.jobs.values()):
+                        self.scheduler.cancel(job.request)
                     return
-                while self.waiting and len(self.running) < self.max_running:
-                    self.running.append(self.waiting.popleft())
-                self._gauges()
-                turn = list(self.running)
-            self._turn(turn)
-
-    def _turn(self, turn: list[Job]) -> None:
-        for job in turn:
-            if job.cancelled:
-                self._retire(job)
-        live = [j for j in turn if not j.cancelled]
-        stepping = [j for j in live if j.generation is not None]
-        joining = [j for j in live if j.generation is None]      # decided now: retiring clears .generation
-        if stepping:
             try:
-                self.engine.decode_batch([j.generation for j in stepping])
+                outputs = self.scheduler.step()
             except Exception as e:  # noqa: BLE001 - a bug, not the clients' fault: tell them, keep serving
-                log.exception("decode step failed")
-                for job in stepping:
-                    self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-                stepping = []
-        for job in stepping:
-            self._emit(job)
-        for job in joining:
-            try:
-                job.generation = self.engine.start(job.prompt_ids, job.params, job.constraint)
-            except RequestError as e:
-                self._fail(job, APIError(400, str(e)))
-                continue
-            except Exception as e:  # noqa: BLE001
-                log.exception("prefill failed")
-                self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-                continue
-            self._emit(job)
+                log.exception("scheduler step failed")
+                outputs = self._fail_all(e)
+            with self.cond:
+                for out in outputs:
+                    self._emit(out)
+                self._gauges()
 
-    def _emit(self, job: Job) -> None:
-        try:
-            ev = job.generation.next_event()
-        except Exception as e:  # noqa: BLE001 - e.g. a constraint that cannot continue
-            log.exception("sampling failed")
-            self._fail(job, APIError(500, f"generation failed: {type(e).__name__}: {e}"))
+    def _fail_all(self, error: Exception) -> list[StepOutput]:
+        outs = []
+        for job in list(self.jobs.values()):
+            self.scheduler.cancel(job.request)
+            outs.append(StepOutput(job.request, error=error))
+        return outs
+
+    def _emit(self, out: StepOutput) -> None:
+        job = self.jobs.get(id(out.request))
+        if job is None or job.cancelled:
             return
+        if out.error is not None:
+            e = out.error
+            if not isinstance(e, RequestError):
+                log.error("generation failed", exc_info=e)
+            self.jobs.pop(id(out.request), None)
+            self._deliver(job, APIError(400, str(e)) if isinstance(e, RequestError)
+                          else APIError(500, f"generation failed: {type(e).__name__}: {e}"))
+            return
+        ev = out.event
         now = time.perf_counter()
         if job.generated == 0:
             self.metrics.ttft.observe(now - job.t_arrival)
@@ -167,28 +174,13 @@ class FairQueue:
         job.t_last = now
         job.generated += 1
         self.metrics.generation_tokens.inc()
-        self._deliver(job, ev)
         if ev.finish_reason:
-            self._retire(job)
-
-    def _fail(self, job: Job, error: APIError) -> None:
-        self._deliver(job, error)
-        self._retire(job)
+            self.jobs.pop(id(out.request), None)
+        self._deliver(job, ev)
 
     def _deliver(self, job: Job, item) -> None:
         try:
             job.loop.call_soon_threadsafe(job.events.put_nowait, item)
         except RuntimeError:       # the event loop is gone (server shutting down)
             job.cancelled = True
-
-    def _close(self, job: Job) -> None:
-        if job.generation is not None:
-            job.generation.close()     # frees the sequence's KV cache
-            job.generation = None
-
-    def _retire(self, job: Job) -> None:
-        self._close(job)
-        with self.cond:
-            if job in self.running:
-                self.running.remove(job)
-            self._gauges()
+            self.scheduler.cancel(job.request)

@@ -1,0 +1,280 @@
+"""The scheduler: which requests advance in each step, and by how many tokens.
+
+A step is one decode batch, then prefill chunks, within a token budget (a decode row costs one token,
+a prefill chunk its length):
+1. every running request whose KV is complete decodes one token, all in ONE executor batch;
+2. running requests still prefilling (a long prompt goes in chunks, interleaved with everyone's
+   decoding) take the next chunk, oldest first;
+3. waiting requests are admitted in arrival order (FIFO: when the head does not fit, the rest wait
+   behind it), each starting after the longest prefix of its prompt found in the prefix cache.
+Pages come from the block manager as positions need them. When a running request needs a page and none
+is left, the most recently admitted request is preempted by recompute: its pages go back (the full ones
+stay in the prefix cache, so recomputing them is usually free), it returns to the head of the queue,
+and when readmitted it prefills its prompt and the tokens it already produced and goes on as if never
+stopped. A request that could not fit even alone is refused when submitted.
+
+One thread steps the scheduler; `submit` and `cancel` may be called from any thread.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from imp_runtime.executor import StepRow
+from imp_runtime.kv_blocks import BlockManager, BlockTable
+
+if TYPE_CHECKING:
+    from imp_runtime.engine import Generation, TokenEvent
+
+
+class RequestTooLarge(ValueError):
+    """The request cannot fit in the KV pool even alone."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int             # requests holding an executor slot at once (at most the executor's max_batch)
+    step_tokens: int             # budget of one step: one token per decode row plus prefill chunk tokens
+    prefill_chunk: int           # most tokens one prefill call takes
+
+    @classmethod
+    def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
+        running = min(max_running or executor.max_batch, executor.max_batch)
+        return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk)
+
+
+@dataclass(eq=False)
+class Request:
+    gen: "Generation"            # the host side: sampling, stop strings, detokenizing
+    table: BlockTable = field(default_factory=BlockTable)
+    sid: int | None = None       # the executor's slot while running
+    pages_sent: int = 0          # how many of table.pages the executor has been told about
+    computed: int = 0            # positions whose KV is written
+    cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache (first admission)
+    admitted: bool = False
+    preemptions: int = 0
+    cancelled: bool = False
+    done: bool = False           # finished, failed or cancelled; its pages are back
+
+
+@dataclass
+class StepOutput:
+    request: Request
+    event: "TokenEvent | None" = None
+    error: Exception | None = None     # the request ended with this error (its pages are back)
+
+
+class Scheduler:
+    def __init__(self, executor, blocks: BlockManager, config: SchedulerConfig):
+        self.executor, self.blocks, self.config = executor, blocks, config
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._inbox: collections.deque[Request] = collections.deque()   # submitted, not yet seen by a step
+        self._lock = threading.Lock()      # held by a step; cancel frees pages at once when it is free
+        # counters for metrics
+        self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0         # of which found
+        self.preemptions = 0
+
+    # --- any thread ---
+
+    def submit(self, gen: "Generation") -> Request:
+        need = self.blocks.pages_for(len(gen.prompt_ids) + gen.budget)
+        if need > self.blocks.usable:
+            most = self.blocks.usable * self.blocks.page_size - len(gen.prompt_ids)
+            hint = f"ask for at most {most} new tokens" if most > 0 else "shorten the prompt"
+            raise RequestTooLarge(
+                f"the request needs {need} KV pages ({len(gen.prompt_ids)} prompt tokens + up to {gen.budget} new) "
+                f"but the KV cache holds {self.blocks.usable}: {hint}")
+        req = Request(gen)
+        self._inbox.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Drop a request: its pages go back now, or at the end of the step running now."""
+        req.cancelled = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reap_cancelled()
+            finally:
+                self._lock.release()
+
+    def queued(self) -> list[Request]:
+        """Requests waiting for admission, oldest first."""
+        return list(self.waiting) + list(self._inbox)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.waiting or self.running)
+
+    # --- the stepping thread ---
+
+    def step(self) -> list[StepOutput]:
+        with self._lock:
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+            self._reap_cancelled()
+            preempted = self.preemptions
+            rows = self._schedule_decode()
+            chunks = self._schedule_prefill(self.config.step_tokens - len(rows), admit=self.preemptions == preempted)
+            if self.preemptions != preempted:      # victims may have been scheduled before they were chosen
+                rows = [r for r in rows if r.sid is not None]
+                chunks = [(r, n) for r, n in chunks if r.sid is not None]
+            out = self._run_decode(rows) + self._run_prefill(chunks)
+            self._reap_cancelled()
+            return [o for o in out if not o.request.cancelled]
+
+    # --- deciding ---
+
+    def _schedule_decode(self) -> list[Request]:
+        rows: list[Request] = []
+        for req in list(self.running):
+            if req.sid is None or req.computed < req.gen.kv_length:       # preempted above, or prefilling
+                continue
+            if self._make_room(req, req.computed + 1, may_preempt_self=True):
+                rows.append(req)
+        return rows
+
+    def _schedule_prefill(self, budget: int, admit: bool) -> list[tuple[Request, int]]:
+        chunks: list[tuple[Request, int]] = []
+        preempted_before = self.preemptions
+        for req in list(self.running):
+            left = req.gen.kv_length - req.computed
+            if budget <= 0:
+                break
+            if req.sid is None or left <= 0:
+                continue
+            n = min(left, self.config.prefill_chunk, budget)
+            room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - req.computed
+            if room <= 0 and req is self.running[0]:
+                # the oldest request always advances, so the pool can never stall on partial prefills
+                self._make_room(req, req.computed + n, may_preempt_self=False)
+                room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - req.computed
+            n = min(n, room)
+            if n > 0:
+                self.blocks.grow(req.table, req.computed + n)
+                chunks.append((req, n))
+                budget -= n
+        # no admission in a step that preempted: pages are short, and a victim must not come straight back
+        admit = admit and self.preemptions == preempted_before
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            tokens = req.gen.kv_tokens()
+            hit = self.blocks.acquire_prefix(req.table, tokens, len(tokens) - 1)
+            n = min(len(tokens) - hit, self.config.prefill_chunk, budget)
+            # keep a page spare for each running request, so admitting one does not force a preemption
+            spare = len(self.running)
+            if self.blocks.pages_for(hit + n) - len(req.table.pages) + spare > self.blocks.available():
+                self.blocks.release(req.table)
+                break
+            self.blocks.grow(req.table, hit + n)
+            self.waiting.popleft()
+            if not req.admitted:
+                req.admitted, req.cached_tokens = True, hit
+                self.prefix_query_tokens += len(tokens)
+                self.prefix_hit_tokens += hit
+            req.computed, req.sid, req.pages_sent = hit, self.executor.new_sequence(), 0
+            self.running.append(req)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _make_room(self, req: Request, n_tokens: int, may_preempt_self: bool) -> bool:
+        """Grow req's pages to n_tokens, preempting the newest running requests while pages are short."""
+        while not self.blocks.grow(req.table, n_tokens):
+            victim = self.running[-1]
+            if victim is req and not may_preempt_self:
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.release(req.table)
+        self.executor.free(req.sid)
+        req.sid, req.computed, req.pages_sent = None, 0, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # --- running ---
+
+    def _send_pages(self, req: Request) -> None:
+        if req.pages_sent != len(req.table.pages):
+            self.executor.set_pages(req.sid, list(req.table.pages))
+            req.pages_sent = len(req.table.pages)
+
+    def _run_decode(self, rows: list[Request]) -> list[StepOutput]:
+        if not rows:
+            return []
+        step = []
+        for req in rows:
+            self._send_pages(req)
+            g = req.gen
+            step.append(StepRow(req.sid, g.pending, req.computed, None if g.host_sampled else g.params,
+                                want_logits=g.host_sampled))
+        try:
+            result = self.executor.decode(step)
+        except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
+            return [self._fail(req, e) for req in rows]
+        out = []
+        for i, req in enumerate(rows):
+            req.computed += 1
+            if req.computed % self.blocks.page_size == 0:
+                self.blocks.commit(req.table, req.gen.tokens(), req.computed)
+            out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
+                                     else g.on_token(result.tokens[i])))
+        return out
+
+    def _run_prefill(self, chunks: list[tuple[Request, int]]) -> list[StepOutput]:
+        out = []
+        for req, n in chunks:
+            if req.cancelled:
+                continue
+            tokens = req.gen.kv_tokens()
+            self._send_pages(req)
+            try:
+                logits = self.executor.prefill(req.sid, tokens[req.computed:req.computed + n], req.computed)
+            except Exception as e:  # noqa: BLE001
+                out.append(self._fail(req, e))
+                continue
+            req.computed += n
+            self.blocks.commit(req.table, tokens, req.computed)
+            if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
+                out.append(self._advance(req, lambda g: g.on_logits(logits)))
+            # a request recomputed after preemption already has its next token (gen.pending)
+        return out
+
+    def _advance(self, req: Request, sample) -> StepOutput:
+        try:
+            ev = sample(req.gen)
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint that cannot continue
+            return self._fail(req, e)
+        ev.cached_tokens = req.cached_tokens
+        if ev.finish_reason:
+            self._finish(req)
+        return StepOutput(req, ev)
+
+    def _fail(self, req: Request, error: Exception) -> StepOutput:
+        self._finish(req)
+        return StepOutput(req, error=error)
+
+    def _finish(self, req: Request) -> None:
+        if req.done:
+            return
+        req.done = True
+        self.blocks.release(req.table)
+        if req.sid is not None:
+            self.executor.free(req.sid)
+            req.sid = None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _reap_cancelled(self) -> None:
+        for req in [r for r in (*self.running, *self.waiting) if r.cancelled]:
+            self._finish(req)
