@@ -80,7 +80,8 @@ def render(spec: ModelSpec, target: dict, plan: dict) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
-    ctx = {"spec": spec, "target": target, "plan": plan,
+    from impc.launches import ATTN_MAX_SPLITS
+    ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)]}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():

@@ -22,7 +22,8 @@ from imp_runtime.spec import ModelSpec
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
                "attn_decode_merge", "logits_softcap", "sample_tokens")
-MAX_ATTN_SPLITS = 16          # decode attention splits a sequence's keys over at most this many blocks
+ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
+ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -60,8 +61,8 @@ def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tupl
         "attn": ("u16", (R, s.q_dim), R * s.q_dim * 2),
         "gu": ("f32", (R, 2 * s.intermediate), R * 2 * s.intermediate * 4),
         "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
-        "partial": ("f32", (MB, s.n_heads, MAX_ATTN_SPLITS, s.head_dim + 2),
-                    MB * s.n_heads * MAX_ATTN_SPLITS * (s.head_dim + 2) * 4),
+        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 2),
+                    MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 2) * 4),
         "sampled": ("i32", (MB,), MB * 4),
     }
 
@@ -316,7 +317,7 @@ class ProgramBuilder:
     # ------------------------------------------------------------------ phases
 
     def attn_splits(self, b: int) -> int:
-        return max(1, min(MAX_ATTN_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
+        return max(1, min(ATTN_GRID_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
 
     def decode(self, b: int) -> Phase:
         s = self.spec
@@ -328,13 +329,14 @@ class ProgramBuilder:
         self.embed(e, b)
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            part = b * s.n_heads * splits * (s.head_dim + 2) * 4
+            part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
             e.add("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
                   [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
                    ptr("partial"), i32(window), i32(self.max_pages)],
                   [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4)], [("partial", part)])
-            e.add("attn_decode_merge", (b, s.n_heads), (s.head_dim,), [ptr("partial"), ptr("attn"), i32(splits), i32(ofmt)],
-                  [("partial", part)], [("attn", b * s.q_dim * (4 if dec else 2))])
+            e.add("attn_decode_merge", (b, s.n_heads), (s.head_dim,),
+                  [ptr("partial"), ptr("seq_len"), ptr("attn"), i32(window), i32(ofmt)],
+                  [("partial", part), ("seq_len", b * 4)], [("attn", b * s.q_dim * (4 if dec else 2))])
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)

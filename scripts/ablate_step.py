@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""What each kernel kind costs inside the replayed decode graph: the step's time with every launch of one
+kernel kind left out (the result is wrong, the timing is what a fusion that removes those launches could
+win at most), next to the full step. Graph replays timed with CUDA events, median of --reps.
+
+Usage: python scripts/ablate_step.py BUNDLE [--tokens 1] [--drop rmsnorm_residual,qkv_rope_cache_f16,...]"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--drop", default="rmsnorm_residual,qkv_rope_cache_f16,attn_decode_f16,attn_decode_merge,"
+                                      "gemv_,embedding_gather,sample_tokens")
+    a = ap.parse_args()
+
+    import numpy as np
+
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.cuda_driver import check, cu
+    from imp_runtime.cuda_program import BoundPhase
+    from imp_runtime.executor import StepRow
+    from imp_runtime.executor_cuda import CudaExecutor
+    from imp_runtime.kv_blocks import BlockManager, SoloSequence
+
+    ex = CudaExecutor(load_bundle(a.bundle))
+    blocks = BlockManager(ex.num_pages, ex.page_size)
+    rng = np.random.default_rng(0)
+    seqs = [SoloSequence(ex, blocks) for _ in range(a.tokens)]
+    for s in seqs:
+        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
+        s._cover(s.length + 2)
+    ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])
+    b = next(x for x in ex.decode_buckets if x >= a.tokens)
+    full = ex.program.phase("decode", b)
+    e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+
+    def time_phase(phase) -> float:
+        bp = BoundPhase(phase, ex.module, ex.arena, ex.program.symbols)
+        bp.capture(ex.stream)
+        ts = []
+        for i in range(a.reps + 10):
+            check(cu.cuEventRecord(e0, ex.stream))
+            bp.run(ex.stream)
+            check(cu.cuEventRecord(e1, ex.stream))
+            check(cu.cuEventSynchronize(e1))
+            if i >= 10:
+                ts.append(check(cu.cuEventElapsedTime(e0, e1)) * 1e3)
+        bp.release()
+        return statistics.median(ts)
+
+    base = time_phase(full)
+    print(f"{ex.bundle.name}: decode {b} at context {a.context}, {len(full.launches)} launches, "
+          f"step {base:.1f} us ({a.tokens * 1e6 / base:.0f} tok/s)")
+    for kind in a.drop.split(","):
+        kept = tuple(x for x in full.launches if not x.kernel.startswith(kind))
+        n = len(full.launches) - len(kept)
+        if not n:
+            continue
+        t = time_phase(replace(full, launches=kept))
+        print(f"  without {kind:24s} ({n:3d} launches): {t:8.1f} us, saves {base - t:7.1f} us "
+              f"({(base - t) / n:5.2f} us a launch)")
+    ex.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
