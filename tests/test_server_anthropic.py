@@ -114,14 +114,23 @@ def test_forced_tool_use_streams_and_matches_openai(client, server):
     assert call["name"] == "get_weather" and call["arguments"] == partial
 
 
-def test_tool_result_round_trip(client, server):
-    """A tool_use / tool_result history renders and the model answers in text."""
-    msgs = [{"role": "user", "content": "Weather in Tokyo?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                               "input": {"city": "Tokyo"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]}]
-    r = client.messages.create(model=server.model, max_tokens=4, extra_body=GREEDY, messages=msgs, tools=[WEATHER])
-    assert r.usage.output_tokens >= 1 and r.content
+def test_tool_result_round_trip(client, server, hf_tokenizer):
+    """A tool_use / tool_result history renders with the result in the prompt verbatim, and the model
+    answers in text. The oracle: two results differ in prompt length by exactly their own token counts
+    (transformers' tokenizer), so a result dropped, truncated or rendered twice fails."""
+    def history(result: str):
+        return [{"role": "user", "content": "Weather in Tokyo?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Tokyo"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]
+
+    short, long = "Sunny, 21 C", "Heavy snow, -5 C, wind 80 km/h from the north"
+    r = client.messages.create(model=server.model, max_tokens=4, extra_body=GREEDY, messages=history(short),
+                               tools=[WEATHER])
+    assert r.content[0].type == "text" and r.content[0].text and r.stop_reason in ("end_turn", "max_tokens")
+    n_long = client.messages.count_tokens(model=server.model, messages=history(long), tools=[WEATHER]).input_tokens
+    own = lambda s: len(hf_tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    assert n_long - r.usage.input_tokens == own(long) - own(short) > 0
 
 
 def test_json_schema_output_validates(client, server):

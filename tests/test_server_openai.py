@@ -97,11 +97,17 @@ def test_stop_string_cuts_the_answer(client, server, greedy_answer):
 
 
 def test_n_choices(client, server):
-    r = client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=3, temperature=1.0,
-                                       seed=7, n=2)
+    """n=2 with seed 7: usage counts both choices' tokens, and choice i draws from seed + i, so choice 1 is
+    exactly the single answer to the same request with seed 8."""
+    ask = dict(model=server.model, messages=QUESTION, max_tokens=3, temperature=1.0, logprobs=True)
+    r = client.chat.completions.create(**ask, seed=7, n=2)
     assert [c.index for c in r.choices] == [0, 1]
-    assert r.usage.completion_tokens == sum(3 if c.finish_reason == "length" else 0 for c in r.choices) or \
-        r.usage.completion_tokens <= 6
+    counts = [len(c.logprobs.content) for c in r.choices]         # one logprob entry per generated token
+    for c, k in zip(r.choices, counts):
+        assert k == 3 if c.finish_reason == "length" else 1 <= k <= 3
+    assert r.usage.completion_tokens == sum(counts)
+    alone = [client.chat.completions.create(**ask, seed=s, n=1).choices[0] for s in (7, 8)]
+    assert [c.message.content for c in alone] == [c.message.content for c in r.choices]
 
 
 def test_json_schema_output_validates(client, server):
@@ -117,10 +123,14 @@ def test_json_schema_output_validates(client, server):
 
 
 def test_regex_output_matches(client, server):
+    # bounded, so it must be complete well within max_tokens (14 tokens at the very most): a constraint
+    # that let the model stop early or wander off fails here
+    pattern = r"(Yes|No), [a-z]{1,8}\."
     r = client.chat.completions.create(
-        model=server.model, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Is Paris in France?"}],
-        response_format={"type": "regex", "regex": "(Yes|No), [a-z]+"})
-    assert re.fullmatch(r"(Yes|No), [a-z]+", r.choices[0].message.content) or r.choices[0].finish_reason == "length"
+        model=server.model, max_tokens=24, temperature=0, messages=[{"role": "user", "content": "Is Paris in France?"}],
+        response_format={"type": "regex", "regex": pattern})
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(pattern, r.choices[0].message.content), r.choices[0].message.content
 
 
 def test_forced_tool_call_parses_and_validates(client, server):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest_server import API_KEY, server  # noqa: F401
+from tests.conftest_server import API_KEY, chat_prompt_tokens, hf_tokenizer, server  # noqa: F401
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -63,10 +63,16 @@ def _kv_sequences(server) -> int:
     return len(getattr(server.service.engine.executor, "_seqs", {}))
 
 
-def test_stream_disconnect_cancels_and_frees_kv(server):
+def _page_size(server) -> int:
+    # the executor's own page size where it has one (paged KV), else the server's reporting unit
+    return getattr(server.service.engine.executor, "page_size", None) or server.service.limits.page_size
+
+
+def test_stream_disconnect_cancels_and_frees_kv(server, hf_tokenizer):
     before = wait_idle(server)
-    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
-            "temperature": 0, "stream": True}
+    messages = [{"role": "user", "content": "Write a long story about a dragon."}]
+    body = {"messages": messages, "max_tokens": 400, "temperature": 0, "stream": True}
+    n_prompt, page = chat_prompt_tokens(hf_tokenizer, messages), _page_size(server)
     seen = 0
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
         for line in r.iter_lines():
@@ -74,7 +80,11 @@ def test_stream_disconnect_cancels_and_frees_kv(server):
                 seen += 1
                 if seen == 3:
                     m = metrics(server)
-                    assert value(m, "imp_running_requests") == 1 and value(m, "imp_kv_pages_in_use") > 0
+                    # the pages that hold the prompt and the tokens so far: at least the 3 seen (less the
+                    # one not yet decoded), and not more than the generation can have run ahead meanwhile
+                    pages = value(m, "imp_kv_pages_in_use")
+                    assert -(-(n_prompt + seen - 1) // page) <= pages <= -(-(n_prompt + seen + 40) // page), pages
+                    assert value(m, "imp_running_requests") == 1
                     assert _kv_sequences(server) == 1
                     break               # closes the connection mid-stream
     after = wait_idle(server)
