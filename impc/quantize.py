@@ -51,29 +51,49 @@ def round_e4m3(x: np.ndarray) -> np.ndarray:
     return code.astype(np.uint8)
 
 
+# Decision points between neighbouring E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}. At a tie, nearest-
+# even goes to the even code: down at .25, 1.25, 2.5, 5 and up at .75, 1.75, 3.5, so those three
+# thresholds sit one float below the midpoint and a value equal to the midpoint counts as above it.
+_E2M1_THRESHOLDS = np.array([0.25, np.nextafter(0.75, 0), 1.25, np.nextafter(1.75, 0), 2.5, np.nextafter(3.5, 0), 5.0])
+
+
 def round_e2m1(x: np.ndarray) -> np.ndarray:
-    """Values to E2M1 nibbles, round to nearest, ties to even mantissa, saturating at +-6.
-    The grid is uniform within each binade ([0, 2) step 0.5, [2, 4) step 1, [4, 6] step 2) and the
-    even codes are the even multiples there, so np.rint (half to even) in each binade is exact RNE."""
-    mag = np.minimum(np.abs(x), E2M1_MAX)
-    idx = np.where(mag < 2, np.rint(mag * 2), np.where(mag < 4, 4 + np.rint(mag - 2), 6 + np.rint((mag - 4) / 2)))
-    idx = np.minimum(idx, 7).astype(np.uint8)
+    """Values to E2M1 nibbles, round to nearest, ties to even code, saturating at +-6: the magnitude's
+    code is the number of thresholds below it (searchsorted is exact, no arithmetic on x)."""
+    idx = np.searchsorted(_E2M1_THRESHOLDS, np.abs(x), side="left").astype(np.uint8)
     return idx | np.where(x < 0, np.uint8(8), np.uint8(0))
 
 
-def quantize_nvfp4(w: np.ndarray, scale_search: bool = False) -> NVFP4Tensor:
-    """W [N, K] float -> NVFP4, computed in float64 so the result is independent of input dtype."""
-    w = np.asarray(w, dtype=np.float64)
-    n, k = w.shape
-    kp = padded_k(k)
-    if kp != k:
-        w = np.pad(w, ((0, 0), (0, kp - k)))
+def pad_k(w: np.ndarray) -> np.ndarray:
+    """W [N, K] with K padded by zero columns to a multiple of 16."""
+    k = w.shape[1]
+    return np.pad(w, ((0, 0), (0, padded_k(k) - k))) if padded_k(k) != k else w
+
+
+def nvfp4_scales(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tensor scale (float32 [1]) and the nominal block scales (E4M3 codes [N, Kp/16]) of a padded
+    float64 W [N, Kp]: s_t = amax / (6 * 448), s_b = E4M3(amax(block) / (6 * s_t))."""
+    n, kp = w.shape
     amax = float(np.max(np.abs(w))) if w.size else 0.0
     tscale = np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1.0)
-    st = float(tscale)
+    bmax = np.max(np.abs(w.reshape(n, kp // BLOCK, BLOCK)), axis=2)
+    return np.array([tscale], dtype=np.float32), round_e4m3(np.minimum(bmax / (E2M1_MAX * float(tscale)), E4M3_MAX))
+
+
+def pack_codes(q: np.ndarray) -> np.ndarray:
+    """E2M1 nibbles [N, Kp] -> bytes [N, Kp/2], the even element in the low nibble (DESIGN.md)."""
+    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4), dtype=np.uint8)   # C order: stored as raw bytes
+
+
+def quantize_nvfp4(w: np.ndarray, scale_search: bool = False) -> NVFP4Tensor:
+    """W [N, K] float -> NVFP4 by rounding to nearest, in float64 so the result is independent of the
+    input dtype."""
+    k = w.shape[1]
+    w = pad_k(np.asarray(w, dtype=np.float64))
+    n, kp = w.shape
+    tscale, nominal = nvfp4_scales(w)
+    st = float(tscale[0])
     blocks = w.reshape(n, kp // BLOCK, BLOCK)
-    bmax = np.max(np.abs(blocks), axis=2)
-    nominal = round_e4m3(np.minimum(bmax / (E2M1_MAX * st), E4M3_MAX))
     scales, q, best_err = nominal, None, None
     for offset in ((0, -1, 1) if scale_search else (0,)):
         cand = np.clip(nominal.astype(np.int16) + offset, 0, 126).astype(np.uint8)
@@ -86,9 +106,7 @@ def quantize_nvfp4(w: np.ndarray, scale_search: bool = False) -> NVFP4Tensor:
             scales = np.where(better, cand, scales)
             q = np.where(better[:, :, None], cq, q)
             best_err = np.minimum(err, best_err)
-    q = q.reshape(n, kp)
-    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-    return NVFP4Tensor(codes, scales, np.array([tscale], dtype=np.float32), (n, k))
+    return NVFP4Tensor(pack_codes(q.reshape(n, kp)), scales, tscale, (n, k))
 
 
 def _codes_for(blocks: np.ndarray, scales: np.ndarray, st: float, with_error: bool) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,0 +1,121 @@
+"""A byte budget for the weights: the NVFP4 tensors whose quantization hurts most are kept in bf16.
+
+Each NVFP4 candidate's effect is measured directly: the reference model (every linear in bf16, as the
+`--quant bf16` bundle stores it) runs a few hundred calibration tokens with only that tensor replaced
+by its quantized values, and the mean KL(reference || that model) of the next-token distributions is
+the tensor's sensitivity. Layers before the tensor's run once (their outputs are cached), so a tensor
+in layer l costs the layers from l on plus the head. Tensors then go to bf16 in order of sensitivity
+per extra byte (greedy knapsack) while the total stays within the budget, which is never exceeded.
+
+The budget is a factor of the weight bytes of the bundle with every candidate in NVFP4 (`--budget
+1.3`), or an absolute size (`--budget 0.25GiB`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from impc.errors import CompileError
+from impc.forward import embed, layer_forward, layer_weights, log_probs, mean_kl
+from impc.plan import GiB, tensor_bytes, weights_bytes
+from impc.progress import Progress
+from imp_runtime.spec import ModelSpec
+
+SENSITIVITY_TOKENS = 128     # calibration tokens each sensitivity is measured on
+SENSITIVITY_CHUNK = 64       # in chunks of this many (spread over the calibration set: prose and chat)
+
+
+@dataclass(frozen=True)
+class Budget:
+    factor: float | None = None     # of the all-NVFP4 weight bytes
+    gib: float | None = None        # or an absolute size
+
+    def bytes_for(self, base_bytes: int) -> int:
+        return int(self.factor * base_bytes) if self.factor is not None else int(self.gib * GiB)
+
+    def __str__(self) -> str:
+        return f"{self.factor:g}" if self.factor is not None else f"{self.gib:g}GiB"
+
+
+def parse_budget(text: str) -> Budget:
+    """'1.3' (or '1.3x'): a factor of the all-NVFP4 weight bytes; '0.25GiB': a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(x|gib|GiB|G|g)?\s*", text or "")
+    if not m:
+        raise CompileError(f"--budget {text}: give a factor of the all-NVFP4 weight bytes (1.3) or a size (0.25GiB)")
+    value, unit = float(m.group(1)), (m.group(2) or "x").lower()
+    if unit == "x":
+        if value < 1.0:
+            raise CompileError(f"--budget {text}: a factor below 1 is less than the all-NVFP4 weights")
+        return Budget(factor=value)
+    return Budget(gib=value)
+
+
+@dataclass
+class BudgetChoice:
+    formats: dict[str, str]
+    base_bytes: int                  # weight bytes with every candidate in NVFP4
+    budget_bytes: int
+    weights_bytes: int               # with the choice made (never above budget_bytes)
+    sensitivity: dict[str, float]    # candidate -> mean KL with only it quantized (empty: not measured)
+    widened: list[str]               # the candidates kept in bf16, most valuable first
+
+
+def candidates(formats: Mapping[str, str]) -> list[str]:
+    return [name for name, fmt in formats.items() if fmt == "nvfp4" and (name.startswith("layers.") or name == "lm_head")]
+
+
+def sensitivity_chunks(chunks: np.ndarray, n_tokens: int = SENSITIVITY_TOKENS,
+                       chunk: int = SENSITIVITY_CHUNK) -> np.ndarray:
+    """Rows spread evenly over the calibration chunks (prose and conversations both), each cut short."""
+    t = min(chunk, chunks.shape[1])
+    n = max(1, min(chunks.shape[0], n_tokens // t))
+    rows = np.linspace(0, chunks.shape[0] - 1, n).round().astype(int)
+    return chunks[rows, :t]
+
+
+def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
+                        chunks: np.ndarray, progress: Progress | None = None) -> dict[str, float]:
+    """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor
+    (float32 log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding)."""
+    p = progress or Progress(quiet=True)
+    inputs = [embed(spec, reference["embed"], chunks)]
+    for i in range(spec.n_layers):
+        inputs.append(layer_forward(spec, i, layer_weights(reference, i), inputs[-1]))
+    ref_logp = log_probs(spec, reference, inputs[-1], np.float32)
+    out: dict[str, float] = {}
+    for n, name in enumerate(quantized, 1):
+        if name == "lm_head":
+            x, weights = inputs[-1], {**reference, "lm_head": quantized[name]}
+        else:
+            layer, weights = int(name.split(".")[1]), reference
+            w = layer_weights(reference, layer)
+            w[name.rsplit(".", 1)[1]] = quantized[name]
+            x = layer_forward(spec, layer, w, inputs[layer])
+            for j in range(layer + 1, spec.n_layers):
+                x = layer_forward(spec, j, layer_weights(reference, j), x)
+        out[name] = mean_kl(ref_logp, log_probs(spec, weights, x, np.float32))
+        p.count("tensors measured", n, len(quantized))
+    return out
+
+
+def choose_formats(spec: ModelSpec, formats: Mapping[str, str], budget: Budget,
+                   sensitivity: Mapping[str, float]) -> BudgetChoice:
+    """Widen candidates to bf16 by sensitivity per extra byte while the weights fit the budget."""
+    shapes = spec.tensor_shapes()
+    base = weights_bytes(spec, dict(formats))
+    limit = budget.bytes_for(base)
+    if limit < base:
+        raise CompileError(f"--budget {budget}: {limit / GiB:.3f} GiB is less than the all-NVFP4 weights "
+                           f"({base / GiB:.3f} GiB)")
+    extra = {t: tensor_bytes(shapes[t], "bf16") - tensor_bytes(shapes[t], "nvfp4") for t in sensitivity}
+    order = sorted(sensitivity, key=lambda t: (-sensitivity[t] / extra[t], t))
+    chosen, spent, widened = dict(formats), base, []
+    for t in order:
+        if sensitivity[t] > 0 and spent + extra[t] <= limit:
+            chosen[t] = "bf16"
+            spent += extra[t]
+            widened.append(t)
+    return BudgetChoice(chosen, base, limit, weights_bytes(spec, chosen), dict(sensitivity), widened)

@@ -1,0 +1,98 @@
+"""The model's forward pass over calibration chunks, one layer at a time, for the compiler.
+
+Calibration needs what the cpu executor does not give: the inputs of every linear, a layer run on its
+own from a cached input, and a weight swapped in between two layers. So this is the same math as
+imp_runtime.executor_cpu (its kernel references: rms_norm, gated_act, attention, RoPE), arranged per
+layer over a batch of equal-length chunks that each start at position 0.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from imp_runtime.executor_cpu import attention, gated_act, rms_norm
+from imp_runtime.rope import apply_rope, cos_sin
+from imp_runtime.spec import ModelSpec
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+# Called with a linear's short name ("qkv", ...) and its inputs [rows, in]; returns the weight to apply.
+LinearHook = Callable[[str, np.ndarray], np.ndarray]
+
+
+def layer_weights(weights: Mapping[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+    """One layer's tensors by short name ("qkv", "attn_norm", ...)."""
+    prefix = f"layers.{layer}."
+    return {name[len(prefix):]: w for name, w in weights.items() if name.startswith(prefix)}
+
+
+def embed(spec: ModelSpec, table: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """Token ids [C, T] -> the first layer's input [C, T, D]."""
+    return table[chunks] * np.float32(spec.embed_scale)
+
+
+def layer_forward(spec: ModelSpec, layer: int, w: Mapping[str, np.ndarray], x: np.ndarray,
+                  hook: LinearHook | None = None) -> np.ndarray:
+    """x [C, T, D] -> the layer's output [C, T, D]. With a hook, each linear's inputs go to it and the
+    weight it returns is applied (how the sequential quantizer sees inputs and swaps in its result)."""
+    s = spec
+    c, t, d = x.shape
+
+    def linear(name: str, inputs: np.ndarray) -> np.ndarray:
+        weight = hook(name, inputs) if hook else w[name]
+        return inputs @ weight.T
+
+    pos = np.arange(t)
+    a = rms_norm(x, w["attn_norm"], s.norm_eps).reshape(c * t, d)
+    qkv = linear("qkv", a)
+    if s.qkv_bias:
+        qkv = qkv + w["qkv_bias"]
+    qkv = qkv.reshape(c, t, -1)
+    cos, sin = cos_sin(s, layer, pos)
+    window = s.sliding_window if s.kind(layer) == "sliding" else 0
+    heads = np.empty((c, t, s.q_dim), dtype=np.float32)
+    for i in range(c):
+        q = qkv[i, :, :s.q_dim].reshape(t, s.n_heads, s.head_dim)
+        k = qkv[i, :, s.q_dim:s.q_dim + s.kv_dim].reshape(t, s.n_kv_heads, s.head_dim)
+        v = qkv[i, :, s.q_dim + s.kv_dim:].reshape(t, s.n_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = rms_norm(q, w["q_norm"], s.norm_eps)
+            k = rms_norm(k, w["k_norm"], s.norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        heads[i] = attention(q, k, v, pos, s.softmax_scale, window).reshape(t, s.q_dim)
+    o = linear("o", heads.reshape(c * t, s.q_dim)).reshape(c, t, d)
+    if s.sandwich_norm:
+        o = rms_norm(o, w["post_attn_norm"], s.norm_eps)
+    x = x + o
+    m = rms_norm(x, w["ffn_norm"], s.norm_eps).reshape(c * t, d)
+    m = linear("down", gated_act(linear("gate_up", m), s.activation)).reshape(c, t, d)
+    if s.sandwich_norm:
+        m = rms_norm(m, w["post_ffn_norm"], s.norm_eps)
+    return x + m
+
+
+def final_hidden(spec: ModelSpec, weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The last layer's output [C, T, D] -> the normalised hidden state the head reads."""
+    return rms_norm(x, weights["final_norm"], spec.norm_eps)
+
+
+def log_probs(spec: ModelSpec, weights: Mapping[str, np.ndarray], x: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """The last layer's output [C, T, D] -> next-token log-probabilities [C*T, V]."""
+    head = weights["embed"] if spec.tie_embeddings else weights["lm_head"]
+    logits = final_hidden(spec, weights, x).reshape(-1, x.shape[-1]) @ head.T
+    if spec.final_softcap:
+        logits = np.tanh(logits / np.float32(spec.final_softcap)) * np.float32(spec.final_softcap)
+    return log_softmax_rows(logits, dtype)
+
+
+def log_softmax_rows(logits: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """Row-wise log-softmax (float64 by default: KL of close distributions needs the precision)."""
+    x = logits.astype(dtype)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+
+
+def mean_kl(ref_logp: np.ndarray, logp: np.ndarray) -> float:
+    """Mean over positions of KL(ref || candidate), both as log-probabilities [N, V]."""
+    return float(np.mean(np.sum(np.exp(ref_logp) * (ref_logp - logp), axis=-1)))

@@ -1,0 +1,102 @@
+"""Stage 3 with calibration: GPTQ on calibration activations, then the byte budget's bf16 choice.
+
+Order: (1) every NVFP4 linear is quantized sequentially by GPTQ (calibrate.py); (2) each one's effect
+on the model's output is measured on its own against the bf16 reference (budget.py); (3) the most
+harmful per byte go back to bf16 while the weights fit the budget. The result feeds the plain loop of
+compile.quantize_stage, which stores each tensor in its chosen format.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from impc.budget import candidates, choose_formats, measure_sensitivity, parse_budget, sensitivity_chunks
+from impc.calibrate import CHUNK_TOKENS, calibrate, calibration_set
+from impc.errors import CompileError
+from impc.gptq import DAMP
+from impc.plan import GiB, weights_bytes
+from impc.progress import Progress
+from impc.quantize import NVFP4Tensor, quantize_nvfp4
+from imp_runtime.bundle import bf16_to_f32
+from imp_runtime.spec import ModelSpec
+
+
+@dataclass
+class CalibratedQuant:
+    weights: dict[str, np.ndarray]          # the checkpoint's float32 tensors, in bundle order
+    formats: dict[str, str]                 # after the budget's choice
+    tensors: dict[str, NVFP4Tensor]         # the GPTQ result of every tensor still NVFP4
+    output_error: dict[str, dict]           # per tensor, merged into its manifest entry
+    record: dict                            # the manifest's quantization.calibration
+
+
+def bf16_values(w: np.ndarray) -> np.ndarray:
+    """The float32 values a bf16 tensor stores (round to nearest even)."""
+    from impc.compile import to_bf16_bits
+    return bf16_to_f32(to_bf16_bits(w)).reshape(w.shape)
+
+
+def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
+                        opts, checkpoint, p: Progress) -> CalibratedQuant:
+    budget = parse_budget(opts.budget)
+    shapes = spec.tensor_shapes()
+    weights: dict[str, np.ndarray] = {}
+    for name, w in tensors:
+        if tuple(w.shape) != shapes.get(name):
+            raise CompileError(f"tensor {name} has shape {tuple(w.shape)}, the config implies {shapes.get(name)}")
+        weights[name] = np.ascontiguousarray(w, dtype=np.float32)
+    base_bytes = weights_bytes(spec, formats)
+    if budget.bytes_for(base_bytes) < base_bytes:
+        raise CompileError(f"--budget {budget}: less than the all-NVFP4 weights ({base_bytes / GiB:.3f} GiB)")
+    tok_info = {**checkpoint.special_tokens, "eos_token_ids": checkpoint.eos_token_ids, "add_bos": checkpoint.add_bos}
+    calib = calibration_set(checkpoint.tokenizer_json, tok_info, checkpoint.chat_template, opts.calib)
+    p.info(f"calibration: {calib.n_tokens} tokens ({calib.chunks.shape[0]} chunks of {calib.chunks.shape[1]}) "
+           f"from {calib.source}")
+
+    # What the served model computes with, except the linears still to be quantized.
+    stored = {}
+    for name, w in weights.items():
+        fmt = formats[name]
+        if fmt == "bf16":
+            stored[name] = bf16_values(w)
+        elif fmt == "nvfp4" and name == "embed":      # a lookup table, not a linear: rounded to nearest
+            stored[name] = quantize_nvfp4(w, opts.scale_search).dequantize()
+        else:
+            stored[name] = w
+    t0 = time.perf_counter()
+    cal = calibrate(spec, stored, formats, calib, p)
+    p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; output error on "
+           f"calibration {_mean(cal.output_error):.4f} (rounding to nearest {_mean(cal.rtn_output_error):.4f})")
+
+    cands = candidates(formats)
+    sensitivity: dict[str, float] = {}
+    if budget.bytes_for(base_bytes) > base_bytes and cands:
+        t0 = time.perf_counter()
+        reference = {name: (bf16_values(w) if name in cands else stored[name]) for name, w in weights.items()}
+        if formats["embed"] == "nvfp4":
+            reference["embed"] = bf16_values(weights["embed"])
+        sensitivity = measure_sensitivity(spec, reference, {t: cal.tensors[t].dequantize() for t in cands},
+                                          sensitivity_chunks(calib.chunks), p)
+        p.info(f"sensitivity of {len(cands)} tensors: {time.perf_counter() - t0:.1f} s")
+    choice = choose_formats(spec, formats, budget, sensitivity)
+    p.info(f"budget {budget}: {len(choice.widened)} of {len(cands)} tensors kept in bf16, weights "
+           f"{choice.weights_bytes / GiB:.3f} GiB of {choice.budget_bytes / GiB:.3f} "
+           f"(all-NVFP4 {choice.base_bytes / GiB:.3f})")
+
+    errors = {name: {"out_err": round(cal.output_error[name], 6), "out_err_rtn": round(cal.rtn_output_error[name], 6)}
+              for name in cal.tensors}
+    for name, kl in sensitivity.items():
+        errors[name]["kl_alone"] = round(kl, 6)
+    record = {"method": "gptq", "damp": DAMP, "source": calib.source, "sha256": calib.sha256,
+              "tokens": calib.n_tokens, "chunk_tokens": min(CHUNK_TOKENS, calib.chunks.shape[1]),
+              "budget": {"request": str(budget), "base_bytes": choice.base_bytes, "budget_bytes": choice.budget_bytes,
+                         "weights_bytes": choice.weights_bytes, "widened": choice.widened}}
+    kept = {name: q for name, q in cal.tensors.items() if choice.formats[name] == "nvfp4"}
+    return CalibratedQuant(weights, choice.formats, kept, errors, record)
+
+
+def _mean(d: dict[str, float]) -> float:
+    return float(np.mean(list(d.values()))) if d else 0.0
