@@ -20,11 +20,13 @@ from impc.write_bundle import check_output_dir, write_bundle
 
 
 def stub_tokenizer_json(vocab_size: int) -> str:
-    """A word-level tokenizer over w0..w255 (ids below the model's vocabulary): enough for `impc run`."""
+    """A word-level tokenizer with a word for every id of the model's vocabulary ("w3" is id 3), so every
+    token the synthetic model samples detokenizes to text and the bundle can be served and streamed
+    (prompts are words "w5 w17 ..." or arrays of ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, min(256, vocab_size)):
+    for i in range(3, vocab_size):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
