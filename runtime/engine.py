@@ -45,7 +45,7 @@ class TokenEvent:
 
 def make_executor(bundle: Bundle, device: str = "auto", kv_pages: int | None = None):
     """`cuda` when a GPU and a matching cubin are present, `cpu` otherwise; `device` forces one.
-    kv_pages: the KV pool's size in pages (padding page included) instead of the plan's."""
+    kv_pages (cpu only): the KV pool's size in pages (padding page included) instead of the default."""
     if device not in ("auto", "cpu", "cuda"):
         raise RequestError(f"unknown device '{device}': choose auto, cpu or cuda")
     if device in ("auto", "cuda"):
@@ -56,7 +56,10 @@ def make_executor(bundle: Bundle, device: str = "auto", kv_pages: int | None = N
                 raise RequestError("the cuda executor is not available in this build") from None
         else:
             if gpu_available():
-                return CudaExecutor(bundle, kv_pages=kv_pages)
+                if kv_pages is not None:       # the cuda executor's memory is the bundle's plan, nothing else
+                    raise RequestError("the cuda executor's KV pool is the bundle's memory plan; "
+                                       "recompile with `impc compile ... --vram GiB` to change it")
+                return CudaExecutor(bundle)
             if device == "cuda":
                 raise RequestError("no NVIDIA GPU with a working driver was found (use --device cpu)")
     from imp_runtime.executor_cpu import CpuExecutor

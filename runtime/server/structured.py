@@ -47,7 +47,11 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: set[int]):
         # n_vocab covers the model's logits (which may be padded past the tokenizer's vocabulary)
         self.vocab = vocab_size
-        self.tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+        self.unavailable: str | None = None
+        try:
+            self.tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+        except ValueError as e:      # e.g. a word-level tokenizer: serve, but refuse constraints clearly
+            self.tok, self.unavailable = None, str(e)
 
     def json_schema(self, schema, field: str) -> Grammar:
         if not isinstance(schema, dict):
@@ -69,6 +73,9 @@ class Grammars:
         return self.check(llg.LLMatcher.grammar_from_lark(source), field)
 
     def check(self, source: str, field: str) -> Grammar:
+        if self.tok is None:
+            raise bad_request(field, "structured output and forced tool calls are not available for this model: "
+                                     f"grammar constraints cannot read its tokenizer ({self.unavailable})")
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, self.tok, limits=_LIMITS)
         if is_error:
             raise bad_request(field, _explain(messages[0] if messages else "invalid grammar"))
