@@ -134,11 +134,11 @@ def sampling_params(a, engine):
 def _answer(engine, ids: list[int], params, stats: bool) -> str:
     t0 = time.perf_counter()
     first = None
-    n = 0
+    n = cached = 0
     parts = []
-    for ev in engine.generate(ids, params):
+    for ev in engine.generate(ids, params):      # through the engine's scheduler, with its prefix cache
         if first is None:
-            first = time.perf_counter()
+            first, cached = time.perf_counter(), ev.cached_tokens
         n += 1
         parts.append(ev.text)
         print(ev.text, end="", flush=True)
@@ -146,7 +146,8 @@ def _answer(engine, ids: list[int], params, stats: bool) -> str:
     if stats and first is not None:
         t1 = time.perf_counter()
         rate = (n - 1) / (t1 - first) if n > 1 else 0.0
-        print(f"[{len(ids)} prompt tokens, {n} generated; first token {1000 * (first - t0):.0f} ms, "
+        print(f"[{len(ids)} prompt tokens ({cached} from the prefix cache), {n} generated; "
+              f"first token {1000 * (first - t0):.0f} ms, "
               f"{rate:.1f} tok/s after it; {engine.executor.name} executor]", file=sys.stderr)
     return "".join(parts)
 

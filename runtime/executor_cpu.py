@@ -82,13 +82,18 @@ class CpuExecutor:
     bundle: Bundle
     num_pages: int | None = None           # None: from the plan (context x batch), capped by kv_bytes
     kv_bytes: int = KV_BUDGET_BYTES
-    w: dict[str, np.ndarray] = field(init=False, repr=False)
+    w: dict[str, np.ndarray] = field(init=False, repr=False)       # embedding, norms, biases
+    wt: dict[str, np.ndarray] = field(init=False, repr=False)      # linear weights, transposed
     name = "cpu"
 
     def __post_init__(self):
         self.spec: ModelSpec = self.bundle.spec
         self.w = self.bundle.float_weights()
-        self.head = self.w["embed"] if self.spec.tie_embeddings else self.w["lm_head"]
+        # linear weights held as W.T, [in, out] contiguous: BLAS multiplies a few rows by it about 1.5x
+        # faster than by the stored [out, in] transposed on the fly, which is what batched decode needs
+        self.wt = {name: np.ascontiguousarray(self.w.pop(name).T) for name in list(self.w)
+                   if name.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down") or name == "lm_head"}
+        self.head_t = np.ascontiguousarray(self.w["embed"].T) if self.spec.tie_embeddings else self.wt.pop("lm_head")
         plan = self.bundle.manifest["plan"]
         target = next(iter(plan.get("targets", {}).values()), {})
         self.max_context: int = plan["max_context"]
@@ -162,11 +167,19 @@ class CpuExecutor:
         per_row = [self._slots(r.sid, pos[i:i + 1]) for i, r in enumerate(rows)]
         slots = (np.concatenate([p for p, _ in per_row]), np.concatenate([o for _, o in per_row]))
 
+        # every row's pages as one matrix (padded with page 0), so each layer gathers all rows' KV at once
+        tables = [self._seqs[r.sid].pages[:r.position // self.page_size + 1] for r in rows]
+        page_matrix = np.zeros((len(rows), max(len(t) for t in tables)), np.int64)
+        for i, t in enumerate(tables):
+            page_matrix[i, :len(t)] = t
+
         def attend(layer: int, q: np.ndarray, window: int) -> np.ndarray:
+            s = self.spec
+            kv = self.kv[layer][:, page_matrix].reshape(2, len(rows), -1, s.n_kv_heads, s.head_dim)
             out = np.empty_like(q)
             for i, r in enumerate(rows):
-                k, v = self._kv_of(r.sid, layer, r.position + 1)
-                out[i:i + 1] = attention(q[i:i + 1], k, v, pos[i:i + 1], self.spec.softmax_scale, window)
+                n = r.position + 1
+                out[i:i + 1] = attention(q[i:i + 1], kv[0, i, :n], kv[1, i, :n], pos[i:i + 1], s.softmax_scale, window)
             return out
 
         h = self._forward(np.asarray([r.token for r in rows], dtype=np.int64), pos, slots, attend)
@@ -179,7 +192,7 @@ class CpuExecutor:
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         s = self.spec
-        logits = rms_norm(h, self.w["final_norm"], s.norm_eps) @ self.head.T
+        logits = rms_norm(h, self.w["final_norm"], s.norm_eps) @ self.head_t
         if s.final_softcap:
             logits = np.tanh(logits / np.float32(s.final_softcap)) * np.float32(s.final_softcap)
         return logits
@@ -188,7 +201,7 @@ class CpuExecutor:
                  attend) -> np.ndarray:
         """The layers over T rows (one sequence's chunk or one row per sequence): row t has position
         pos[t] and its KV goes to slots[t]; attend(layer, q, window) -> [T, H, hd] reads the cache."""
-        s, w = self.spec, self.w
+        s, w, wt = self.spec, self.w, self.wt
         t = len(tokens)
         page, offset = slots
         x = w["embed"][tokens] * np.float32(s.embed_scale)
@@ -196,7 +209,7 @@ class CpuExecutor:
             p = f"layers.{i}."
             # attention
             a = rms_norm(x, w[p + "attn_norm"], s.norm_eps)
-            qkv = a @ w[p + "qkv"].T
+            qkv = a @ wt[p + "qkv"]
             if s.qkv_bias:
                 qkv = qkv + w[p + "qkv_bias"]
             q = qkv[:, :s.q_dim].reshape(t, s.n_heads, s.head_dim)
@@ -210,13 +223,13 @@ class CpuExecutor:
             self.kv[i, 0, page, offset] = k
             self.kv[i, 1, page, offset] = v
             o = attend(i, q, s.sliding_window if s.kind(i) == "sliding" else 0)
-            o = o.reshape(t, s.q_dim) @ w[p + "o"].T
+            o = o.reshape(t, s.q_dim) @ wt[p + "o"]
             if s.sandwich_norm:
                 o = rms_norm(o, w[p + "post_attn_norm"], s.norm_eps)
             x = x + o
             # MLP
             m = rms_norm(x, w[p + "ffn_norm"], s.norm_eps)
-            m = gated_act(m @ w[p + "gate_up"].T, s.activation) @ w[p + "down"].T
+            m = gated_act(m @ wt[p + "gate_up"], s.activation) @ wt[p + "down"]
             if s.sandwich_norm:
                 m = rms_norm(m, w[p + "post_ffn_norm"], s.norm_eps)
             x = x + m
