@@ -27,7 +27,22 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(a) -> int:
+    import asyncio
+    import signal
+
     import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus: on SIGTERM or Ctrl-C every in-flight generation ends at once with an error its
+        client sees ("the server is shutting down": an error event mid-stream, a 503 otherwise) and its
+        KV freed, so connections close cleanly within the grace period instead of being cut when it ends."""
+
+        def handle_exit(self, sig, frame) -> None:
+            try:         # a signal handler: hand the work to the event loop rather than take locks here
+                asyncio.get_running_loop().call_soon_threadsafe(svc.end_all, signal.Signals(sig).name)
+            except RuntimeError:
+                pass
+            super().handle_exit(sig, frame)
 
     from imp_runtime.server import Limits, build_app
 
@@ -39,5 +54,5 @@ def cmd_serve(a) -> int:
     print(f"chat page: http://{a.host}:{a.port}/\ntry:  curl -N http://{a.host}:{a.port}/v1/chat/completions{auth} "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{svc.model}\", \"stream\": true, "
           f"\"messages\": [{{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}}]}}'", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)
+    Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)).run()
     return 0

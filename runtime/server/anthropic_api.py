@@ -12,46 +12,22 @@ import json
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from imp_runtime.server.errors import APIError, anthropic_error_body, bad_request
+from imp_runtime.server.dialect import check_tool_set, event_stream, messages_of, named_sse, run_to_end, text_of
+from imp_runtime.server.errors import anthropic_error_body, bad_request
 from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop
-from imp_runtime.server.openai_api import event_stream
 from imp_runtime.server.service import Choice, Service, new_id
 from imp_runtime.server.structured import Grammar
-from imp_runtime.server.tools import Tool, ToolCall, check_tool
-
-
-def _text_of(v, where: str) -> str:
-    """A string, or text blocks joined by newlines."""
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise bad_request(where, "expected a string or an array of content blocks")
-    out = []
-    for j, b in enumerate(v):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else None
-            raise bad_request(f"{where}[{j}]", f"expected a text block, got type {json.dumps(kind)}")
-        out.append(b["text"])
-    return "\n".join(out)
+from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
 
 
 def parse_messages(body: dict) -> list[dict]:
     out: list[dict] = []
     system = body.get("system")
     if system is not None:
-        text = _text_of(system, "system")
+        text = text_of(system, "system")
         if text:
             out.append({"role": "system", "content": text})
-    msgs = get_list(body, "messages", required=True)
-    if not msgs:
-        raise bad_request("messages", "at least one message is required")
-    for i, m in enumerate(msgs):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(w, "expected a message object")
-        role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{w}.role", f"expected user or assistant, got {json.dumps(role)}")
+    for w, m, role in messages_of(body, ("user", "assistant")):
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -70,7 +46,7 @@ def parse_messages(body: dict) -> list[dict]:
                 calls.append(ToolCall(b["name"], json.dumps(b.get("input", {}), ensure_ascii=False), str(b.get("id", ""))))
             elif kind == "tool_result" and role == "user":
                 result = b.get("content", "")
-                out.append({"role": "tool", "content": _text_of(result, f"{bw}.content"),
+                out.append({"role": "tool", "content": text_of(result, f"{bw}.content"),
                             "tool_call_id": str(b.get("tool_use_id", ""))})
             else:
                 raise bad_request(f"{bw}.type", f"content blocks of type {json.dumps(kind)} are not supported "
@@ -95,10 +71,7 @@ def parse_tools(svc: Service, body: dict) -> tuple[list[Tool], str, list[Tool]]:
             raise bad_request(f"{w}.input_schema", "this field is required")
         tools.append(check_tool(t.get("name"), t.get("description"), t.get("input_schema"), w))
         where.append(f"{w}.input_schema")
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("tools", "tool names must be unique")
-    svc.check_tools(tools, where)
+    check_tool_set(svc, tools, where)
     choice = get_obj(body, "tool_choice", None)
     if choice is None:
         return tools, ("auto" if tools else "none"), []
@@ -152,23 +125,24 @@ class Blocks:
             self.events.append(("content_block_stop", {"index": self.blocks.index(self.open)}))
             self.open = None
 
-    def add(self, parts: list[tuple], choice: Choice) -> None:
+    def add(self, parts: list[Part], choice: Choice) -> None:
         for p in parts:
-            if p[0] == "text":
+            if isinstance(p, TextPart):
                 if self.open is None or self.open["type"] != "text":
                     self._start({"type": "text", "text": ""})
-                self.open["text"] += p[1]
+                self.open["text"] += p.text
                 self.events.append(("content_block_delta", {"index": len(self.blocks) - 1,
-                                                            "delta": {"type": "text_delta", "text": p[1]}}))
-            elif p[0] == "call":
-                c = choice.calls[p[1]]
+                                                            "delta": {"type": "text_delta", "text": p.text}}))
+            elif isinstance(p, CallStart):
+                c = choice.calls[p.index]
                 self._start({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
-                self.by_call[p[1]] = self.open
-                self.partial[p[1]] = ""
-            elif p[0] == "args":
-                self.partial[p[1]] += p[2]
-                self.events.append(("content_block_delta", {"index": self.blocks.index(self.by_call[p[1]]),
-                                                            "delta": {"type": "input_json_delta", "partial_json": p[2]}}))
+                self.by_call[p.index] = self.open
+                self.partial[p.index] = ""
+            elif isinstance(p, CallArgs):
+                self.partial[p.index] += p.delta
+                self.events.append(("content_block_delta", {"index": self.blocks.index(self.by_call[p.index]),
+                                                            "delta": {"type": "input_json_delta",
+                                                                      "partial_json": p.delta}}))
 
     def finish(self) -> None:
         if not self.blocks:                 # an empty answer is still one (empty) text block
@@ -230,8 +204,7 @@ async def messages(svc: Service, request: Request, body: dict):
 
     blocks = Blocks()
     if not stream:
-        for ev in (await svc.run_all(request, [job]))[0]:
-            blocks.add(choice.add(ev), choice)
+        await run_to_end(svc, request, [job], [choice], blocks)
         blocks.finish()
         reason, seq = stop_info()
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
@@ -239,23 +212,20 @@ async def messages(svc: Service, request: Request, body: dict):
                              "usage": {"input_tokens": len(ids), "output_tokens": choice.n_tokens}})
 
     def event(kind: str, data: dict) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+        return named_sse(kind, {"type": kind, **data})
 
     async def body_iter():
         yield event("message_start", {"message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
-        try:
-            async for _, ev in svc.merged([job]):
-                blocks.add(choice.add(ev), choice)
-                if ev.finish_reason:
-                    blocks.finish()
-                for kind, data in blocks.take_events():
-                    yield event(kind, data)
-            reason, seq = stop_info()
-            yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                          "usage": {"input_tokens": len(ids), "output_tokens": choice.n_tokens}})
-            yield event("message_stop", {})
-        except APIError as e:
-            yield f"event: error\ndata: {json.dumps(anthropic_error_body(e))}\n\n"
-    return event_stream(body_iter())
+        async for _, ev in svc.merged([job]):
+            blocks.add(choice.add(ev), choice)
+            if ev.finish_reason:
+                blocks.finish()
+            for kind, data in blocks.take_events():
+                yield event(kind, data)
+        reason, seq = stop_info()
+        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                      "usage": {"input_tokens": len(ids), "output_tokens": choice.n_tokens}})
+        yield event("message_stop", {})
+    return event_stream(svc, [job], body_iter(), lambda e: named_sse("error", anthropic_error_body(e)))

@@ -10,51 +10,28 @@ import json
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
+from imp_runtime.server.dialect import check_tool_set, event_stream, messages_of, run_to_end, sse, text_of
 from imp_runtime.server.errors import APIError, bad_request, openai_error_body
-from imp_runtime.server.fields import (get_bool, get_int, get_list, get_obj, get_stop, get_str)
+from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop, get_str
 from imp_runtime.server.service import Choice, Service, new_id
 from imp_runtime.server.structured import Grammar
-from imp_runtime.server.tools import Tool, ToolCall, check_tool
+from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+DONE = "data: [DONE]\n\n"
+OPENAI_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def event_stream(gen) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+def error_chunk(e: APIError) -> str:
+    return sse(openai_error_body(e))
 
 
 # ------------------------------------------------------------------ request pieces shared with responses_api
 
 
 def content_text(v, where: str, allow_null: bool = False) -> str:
-    """A message's content: a string or text parts (joined by newlines, as vLLM does)."""
-    if v is None:
-        if allow_null:
-            return ""
-        raise bad_request(where, "this field is required")
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise bad_request(where, "expected a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(v):
-        if not isinstance(part, dict):
-            raise bad_request(f"{where}[{j}]", "expected a content part object")
-        kind = part.get("type")
-        if kind not in ("text", "input_text", "output_text"):
-            raise bad_request(f"{where}[{j}].type", f"content of type {json.dumps(kind)} is not supported: "
-                                                    "this model reads text only")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{where}[{j}].text", "expected a string")
-        texts.append(text)
-    return "\n".join(texts)
+    return text_of(v, where, OPENAI_TEXT_PARTS, allow_null)
 
 
 def parse_tools(svc: Service, body: dict, flat: bool = False) -> tuple[list[Tool], str, list[Tool]]:
@@ -71,10 +48,7 @@ def parse_tools(svc: Service, body: dict, flat: bool = False) -> tuple[list[Tool
             raise bad_request(w, "expected a function object")
         tools.append(check_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), w))
         where.append(f"{w}.parameters")
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("tools", "tool names must be unique")
-    svc.check_tools(tools, where)
+    check_tool_set(svc, tools, where)
     choice = body.get("tool_choice")
     if choice is None:
         return tools, ("auto" if tools else "none"), []
@@ -122,17 +96,8 @@ def format_grammar(svc: Service, fmt, where: str, flat: bool = False) -> Grammar
 
 
 def parse_chat_messages(body: dict) -> list[dict]:
-    msgs = get_list(body, "messages", required=True)
-    if not msgs:
-        raise bad_request("messages", "at least one message is required")
     out = []
-    for i, m in enumerate(msgs):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(w, "expected a message object")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(f"{w}.role", f"expected system, developer, user, assistant or tool, got {json.dumps(role)}")
+    for w, m, role in messages_of(body, ("system", "developer", "user", "assistant", "tool")):
         role = "system" if role == "developer" else role
         msg = {"role": role}
         if role == "assistant":
@@ -160,6 +125,18 @@ def usage(n_prompt: int, choices: list[Choice]) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
 
 
+def chunker(rid: str, kind: str, created: int, model: str, include_usage: bool):
+    """The SSE chunk of one choice's delta (or, with `usage`, the closing usage chunk) for chat
+    (`chat.completion.chunk`) and completions (`text_completion`) streams."""
+    def chunk(choice: dict | None, usage: dict | None = None) -> str:
+        d = {"id": rid, "object": kind, "created": created, "model": model, "system_fingerprint": None,
+             "choices": [choice] if choice is not None else []}
+        if include_usage:
+            d["usage"] = usage
+        return sse(d)
+    return chunk
+
+
 def stream_usage_flag(body: dict, stream: bool) -> bool:
     opts = get_obj(body, "stream_options", None)
     if opts is not None and not stream:
@@ -177,17 +154,17 @@ def _lp_entry(choice: Choice, ev) -> dict:
     return {**one(ev.token_id, ev.logprob), "top_logprobs": [one(t, lp) for t, lp in ev.top_logprobs]}
 
 
-def _chat_deltas(parts: list[tuple], choice: Choice) -> list[dict]:
+def _chat_deltas(parts: list[Part], choice: Choice) -> list[dict]:
     deltas = []
     for p in parts:
-        if p[0] == "text":
-            deltas.append({"content": p[1]})
-        elif p[0] == "call":
-            c = choice.calls[p[1]]
-            deltas.append({"tool_calls": [{"index": p[1], "id": c.id, "type": "function",
+        if isinstance(p, TextPart):
+            deltas.append({"content": p.text})
+        elif isinstance(p, CallStart):
+            c = choice.calls[p.index]
+            deltas.append({"tool_calls": [{"index": p.index, "id": c.id, "type": "function",
                                            "function": {"name": c.name, "arguments": ""}}]})
-        elif p[0] == "args":
-            deltas.append({"tool_calls": [{"index": p[1], "function": {"arguments": p[2]}}]})
+        elif isinstance(p, CallArgs):
+            deltas.append({"tool_calls": [{"index": p.index, "function": {"arguments": p.delta}}]})
     return deltas
 
 
@@ -215,9 +192,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     rid, created = new_id("chatcmpl-"), int(time.time())
 
     if not stream:
-        for c, events in zip(choices, await svc.run_all(request, jobs)):
-            for ev in events:
-                c.add(ev)
+        await run_to_end(svc, request, jobs, choices)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": None,
@@ -226,36 +201,28 @@ async def chat_completions(svc: Service, request: Request, body: dict):
                         for i, c in enumerate(choices)],
             "usage": usage(len(ids), choices)})
 
+    stream_chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
+
     def chunk(i, delta, finish=None, logprobs=None):
-        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": None,
-             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if include_usage:
-            d["usage"] = None
-        return sse(d)
+        return stream_chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     async def body_iter():
-        try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, ev in svc.merged(jobs):
-                c = choices[i]
-                deltas = _chat_deltas(c.add(ev), c)
-                lp = {"content": [_lp_entry(c, ev)]} if want_lp else None
-                if lp and not deltas:
-                    deltas = [{"content": ""}]
-                for k, delta in enumerate(deltas):
-                    yield chunk(i, delta, logprobs=lp if k == 0 else None)
-                if ev.finish_reason:
-                    yield chunk(i, {}, finish=c.finish_reason())
-            if include_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "system_fingerprint": None, "choices": [], "usage": usage(len(ids), choices)})
-        except APIError as e:
-            yield sse(openai_error_body(e))
-        yield "data: [DONE]\n\n"
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, ev in svc.merged(jobs):
+            c = choices[i]
+            deltas = _chat_deltas(c.add(ev), c)
+            lp = {"content": [_lp_entry(c, ev)]} if want_lp else None
+            if lp and not deltas:
+                deltas = [{"content": ""}]
+            for k, delta in enumerate(deltas):
+                yield chunk(i, delta, logprobs=lp if k == 0 else None)
+            if ev.finish_reason:
+                yield chunk(i, {}, finish=c.finish_reason())
+        if include_usage:
+            yield stream_chunk(None, usage(len(ids), choices))
 
-    return event_stream(body_iter())
+    return event_stream(svc, jobs, body_iter(), error_chunk, DONE)
 
 
 def _message(c: Choice) -> dict:
@@ -337,51 +304,37 @@ async def completions(svc: Service, request: Request, body: dict):
                 "top_logprobs": [{c.token_text(t): lp for t, lp in ev.top_logprobs} for ev in events],
                 "text_offset": offsets}
 
-    def usage_all():
-        done = sum(c.n_tokens for c in choices)
-        return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
-
     if not stream:
-        for c, events in zip(choices, await svc.run_all(request, jobs)):
-            for ev in events:
-                c.add(ev)
+        await run_to_end(svc, request, jobs, choices)
         out = []
         for i, c in enumerate(choices):
             head = prompts[index[i]][0] if echo else ""
             out.append({"index": i, "text": head + c.text, "logprobs": logprobs(c, c.events, len(head)),
                         "finish_reason": c.finish_reason()})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "system_fingerprint": None, "choices": out, "usage": usage_all()})
+                             "system_fingerprint": None, "choices": out, "usage": usage(n_prompt, choices)})
+
+    stream_chunk = chunker(rid, "text_completion", created, model, include_usage)
 
     def chunk(i, text, finish=None, lp=None):
-        d = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "system_fingerprint": None,
-             "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
-        if include_usage:
-            d["usage"] = None
-        return sse(d)
+        return stream_chunk({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
 
     async def body_iter():
         offsets = [len(prompts[index[i]][0]) if echo else 0 for i in range(len(choices))]
-        try:
-            if echo:
-                for i in range(len(choices)):
-                    yield chunk(i, prompts[index[i]][0])
-            async for i, ev in svc.merged(jobs):
-                c = choices[i]
-                c.add(ev)
-                lp = logprobs(c, [ev], offsets[i])
-                offsets[i] += len(ev.text)
-                if ev.text or lp or ev.finish_reason:
-                    yield chunk(i, ev.text, c.finish_reason() if ev.finish_reason else None, lp)
-            if include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage_all()})
-        except APIError as e:
-            yield sse(openai_error_body(e))
-        yield "data: [DONE]\n\n"
+        if echo:
+            for i in range(len(choices)):
+                yield chunk(i, prompts[index[i]][0])
+        async for i, ev in svc.merged(jobs):
+            c = choices[i]
+            c.add(ev)
+            lp = logprobs(c, [ev], offsets[i])
+            offsets[i] += len(ev.text)
+            if ev.text or lp or ev.finish_reason:
+                yield chunk(i, ev.text, c.finish_reason() if ev.finish_reason else None, lp)
+        if include_usage:
+            yield stream_chunk(None, usage(n_prompt, choices))
 
-    return event_stream(body_iter())
+    return event_stream(svc, jobs, body_iter(), error_chunk, DONE)
 
 
 # ------------------------------------------------------------------ /v1/models

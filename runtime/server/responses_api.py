@@ -9,11 +9,12 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from imp_runtime.server.dialect import event_stream, named_sse, nonempty_list, run_to_end
 from imp_runtime.server.errors import APIError, bad_request, openai_error_body
-from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_str
-from imp_runtime.server.openai_api import content_text, event_stream, format_grammar, parse_tools
+from imp_runtime.server.fields import get_bool, get_int, get_obj, get_str
+from imp_runtime.server.openai_api import content_text, format_grammar, parse_tools
 from imp_runtime.server.service import Choice, Service, new_id
-from imp_runtime.server.tools import ToolCall
+from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, ToolCall
 
 
 def parse_input(body: dict) -> list[dict]:
@@ -26,10 +27,7 @@ def parse_input(body: dict) -> list[dict]:
         if not inp:
             raise bad_request("input", "the input is empty")
         return msgs + [{"role": "user", "content": inp}]
-    items = get_list(body, "input", required=True)
-    if not items:
-        raise bad_request("input", "at least one input item is required")
-    for i, it in enumerate(items):
+    for i, it in enumerate(nonempty_list(body, "input", "input item")):
         w = f"input[{i}]"
         if not isinstance(it, dict):
             raise bad_request(w, "expected an input item object")
@@ -86,9 +84,9 @@ class OutputItems:
         self.events.append(("response.output_item.done", {"output_index": i, "item": _copy(it)}))
         self.open = None
 
-    def add(self, parts: list[tuple], choice: Choice) -> None:
+    def add(self, parts: list[Part], choice: Choice) -> None:
         for p in parts:
-            if p[0] == "text":
+            if isinstance(p, TextPart):
                 if self.open is None or self.open["type"] != "message":
                     self._close()
                     self.open = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
@@ -100,24 +98,24 @@ class OutputItems:
                                     ("response.content_part.added", {"item_id": self.open["id"], "output_index": i,
                                                                      "content_index": 0, "part": dict(part)})]
                     self.open["content"].append(part)
-                self.open["content"][0]["text"] += p[1]
+                self.open["content"][0]["text"] += p.text
                 self.events.append(("response.output_text.delta",
                                     {"item_id": self.open["id"], "output_index": len(self.items) - 1,
-                                     "content_index": 0, "delta": p[1], "logprobs": []}))
-            elif p[0] == "call":
+                                     "content_index": 0, "delta": p.text, "logprobs": []}))
+            elif isinstance(p, CallStart):
                 self._close()
-                c = choice.calls[p[1]]
+                c = choice.calls[p.index]
                 self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
                              "call_id": c.id, "name": c.name, "arguments": ""}
                 self.items.append(self.open)
-                self.call_items[p[1]] = self.open
+                self.call_items[p.index] = self.open
                 self.events.append(("response.output_item.added",
                                     {"output_index": len(self.items) - 1, "item": _copy(self.open)}))
-            elif p[0] == "args":
-                it = self.call_items[p[1]]
-                it["arguments"] += p[2]
+            elif isinstance(p, CallArgs):
+                it = self.call_items[p.index]
+                it["arguments"] += p.delta
                 self.events.append(("response.function_call_arguments.delta",
-                                    {"item_id": it["id"], "output_index": self.items.index(it), "delta": p[2]}))
+                                    {"item_id": it["id"], "output_index": self.items.index(it), "delta": p.delta}))
 
     def finish(self) -> None:
         self._close()
@@ -169,32 +167,30 @@ async def responses(svc: Service, request: Request, body: dict):
 
     builder = OutputItems()
     if not stream:
-        for ev in (await svc.run_all(request, [job]))[0]:
-            builder.add(choice.add(ev), choice)
+        await run_to_end(svc, request, [job], [choice], builder)
         builder.finish()
         return JSONResponse(response(final_status(), builder.items))
 
+    seq = 0
+
+    def event(kind: str, data: dict) -> str:
+        nonlocal seq
+        seq += 1
+        return named_sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
+
+    def error_event(e: APIError) -> str:
+        err = openai_error_body(e)["error"]
+        return event("error", {"code": err["code"], "message": err["message"], "param": err["param"]})
+
     async def body_iter():
-        seq = 0
-
-        def event(kind: str, data: dict) -> str:
-            nonlocal seq
-            payload = {"type": kind, "sequence_number": seq, **data}
-            seq += 1
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
         yield event("response.created", {"response": response("in_progress", [])})
         yield event("response.in_progress", {"response": response("in_progress", [])})
-        try:
-            async for _, ev in svc.merged([job]):
-                builder.add(choice.add(ev), choice)
-                if ev.finish_reason:
-                    builder.finish()
-                for kind, data in builder.take_events():
-                    yield event(kind, data)
-            status = final_status()
-            yield event(f"response.{status}", {"response": response(status, builder.items)})
-        except APIError as e:
-            err = openai_error_body(e)["error"]
-            yield event("error", {"code": err["code"], "message": err["message"], "param": err["param"]})
-    return event_stream(body_iter())
+        async for _, ev in svc.merged([job]):
+            builder.add(choice.add(ev), choice)
+            if ev.finish_reason:
+                builder.finish()
+            for kind, data in builder.take_events():
+                yield event(kind, data)
+        status = final_status()
+        yield event(f"response.{status}", {"response": response(status, builder.items)})
+    return event_stream(svc, [job], body_iter(), error_event)

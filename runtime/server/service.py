@@ -18,7 +18,8 @@ from imp_runtime.server.fields import get_int, get_number, get_str
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
 from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
-from imp_runtime.server.tools import Tool, ToolCall, ToolFormat, detect_format
+from imp_runtime.server.tools import (CallArgs, CallStart, Part, TextPart, Tool, ToolCall, ToolFormat,
+                                      detect_format)
 
 
 _INT32_MAX = 2**31 - 1
@@ -46,6 +47,8 @@ class Service:
         vocab = max(engine.bundle.spec.vocab_size, tok.vocab_size)
         self.grammars = Grammars(engine.bundle.tokenizer_json(), vocab, tok.eos_ids)
         self.created = int(time.time())
+        self.live: set[Job] = set()       # jobs whose client still waits for them
+
 
     def close(self) -> None:
         self.queue.close()
@@ -127,7 +130,23 @@ class Service:
 
     def start(self, request: Request, ids: list[int], params: SamplingParams, grammar: Grammar | None) -> Job:
         constraint = self.grammars.constraint(grammar) if grammar else None
-        return self.queue.submit(ids, params, constraint, t_arrival=request.state.t0)
+        job = self.queue.submit(ids, params, constraint, t_arrival=request.state.t0)
+        self.live.add(job)
+        return job
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """Cancel jobs whose client has gone (a no-op for finished ones): frees their KV."""
+        for j in jobs:
+            self.live.discard(j)
+            self.queue.cancel(j)
+
+    def end_all(self, reason: str) -> None:
+        """Server shutdown: every live job is cancelled (its KV freed) and its client told why, so a
+        stream ends with the dialect's error event and a waiting request gets a 503, at once, rather
+        than being cut off when the server's grace period runs out."""
+        for job in list(self.live):
+            self.cancel([job])
+            job.events.put_nowait(APIError(503, f"the server is shutting down: {reason}", code="server_shutdown"))
 
     async def run_all(self, request: Request, jobs: list[Job]) -> list[list[TokenEvent]]:
         """Non-streaming: wait for every job, cancelling all of them if the client disconnects."""
@@ -147,8 +166,7 @@ class Service:
         finally:
             watcher.cancel()
             gathered.cancel()
-            for j in jobs:
-                self.queue.cancel(j)
+            self.cancel(jobs)
 
     async def merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, TokenEvent]]:
         """Streaming: (choice index, event) from all jobs as they come. Closing this (the client left)
@@ -177,8 +195,7 @@ class Service:
         finally:
             for t in tasks:
                 t.cancel()
-            for j in jobs:
-                self.queue.cancel(j)
+            self.cancel(jobs)
 
 
 def _explained(jobs: list[Job], error: APIError) -> APIError:
@@ -219,8 +236,8 @@ class Choice:
     def __post_init__(self):
         self.parser = self.tool_format.parser() if self.tool_format else None
 
-    def add(self, ev: TokenEvent) -> list[tuple]:
-        """Parts this token adds: ("text", s), ("call", i, name), ("args", i, s), ("end", i)."""
+    def add(self, ev: TokenEvent) -> list[Part]:
+        """The parts this token adds to the answer."""
         self.events.append(ev)
         self.raw.append(ev.text)
         if self.parser:
@@ -228,14 +245,14 @@ class Choice:
             if ev.finish_reason:
                 parts += self.parser.finish()
         else:
-            parts = [("text", ev.text)] if ev.text else []
+            parts = [TextPart(ev.text)] if ev.text else []
         for p in parts:
-            if p[0] == "text":
-                self.content.append(p[1])
-            elif p[0] == "call":
-                self.calls.append(ToolCall(p[2], "", new_id(self.call_id_prefix)))
-            elif p[0] == "args":
-                self.calls[p[1]].arguments += p[2]
+            if isinstance(p, TextPart):
+                self.content.append(p.text)
+            elif isinstance(p, CallStart):
+                self.calls.append(ToolCall(p.name, "", new_id(self.call_id_prefix)))
+            elif isinstance(p, CallArgs):
+                self.calls[p.index].arguments += p.delta
         if ev.finish_reason:
             self.finish = ev.finish_reason
         return parts

@@ -50,6 +50,34 @@ class ToolCall:
     id: str = ""
 
 
+# ------------------------------------------------------------------ what a streamed answer is made of
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int              # the call's number within the answer
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    index: int
+    delta: str              # the next piece of the arguments' JSON text
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    index: int
+
+
+Part = TextPart | CallStart | CallArgs | CallEnd
+
+
 # ------------------------------------------------------------------ tool definitions
 
 
@@ -187,8 +215,8 @@ class _Call:
 
 @dataclass
 class ToolCallParser:
-    """Feed text deltas; get events: ("text", s), ("call", index, name), ("args", index, s), ("end", index).
-    Text that might be the start of a tool-call block is held back until it is decided."""
+    """Feed text deltas; get Parts (text, and each call's start, argument pieces and end). Text that
+    might be the start of a tool-call block is held back until it is decided."""
     fmt: ToolFormat
     buf: str = ""               # text mode: undecided text; call mode: the block's body so far
     in_call: bool = False
@@ -197,9 +225,9 @@ class ToolCallParser:
     block_calls: int = 0        # calls already found in earlier blocks
     trailing_ws: str = ""       # whitespace after a call block, emitted only if more text follows
 
-    def feed(self, delta: str) -> list[tuple]:
+    def feed(self, delta: str) -> list[Part]:
         self.buf += delta
-        out: list[tuple] = []
+        out: list[Part] = []
         while True:
             if not self.in_call:
                 if not self._text_step(out):
@@ -208,8 +236,8 @@ class ToolCallParser:
                 if not self._call_step(out, final=False):
                     return out
 
-    def finish(self) -> list[tuple]:
-        out: list[tuple] = []
+    def finish(self) -> list[Part]:
+        out: list[Part] = []
         if self.in_call:
             self._call_step(out, final=True)
         else:
@@ -225,7 +253,7 @@ class ToolCallParser:
         if self.calls and not s.strip():
             self.trailing_ws += s
             return
-        out.append(("text", self.trailing_ws + s))
+        out.append(TextPart(self.trailing_ws + s))
         self.trailing_ws = ""
 
     def _text_step(self, out) -> bool:
@@ -267,13 +295,13 @@ class ToolCallParser:
                 m = _CALL_HEAD.match(obj)
                 if m:
                     self.calls.append(_Call(json.loads(f'"{m.group(1)}"')))
-                    out.append(("call", idx, self.calls[idx].name))
+                    out.append(CallStart(idx, self.calls[idx].name))
                 elif stop is not None:          # a complete object whose name does not come first
                     parsed = _parse_call(obj)
                     if parsed is None:
                         continue
                     self.calls.append(_Call(parsed.name, done=True))
-                    out += [("call", idx, parsed.name), ("args", idx, parsed.arguments), ("end", idx)]
+                    out += [CallStart(idx, parsed.name), CallArgs(idx, parsed.arguments), CallEnd(idx)]
                     continue
                 else:
                     break
@@ -286,16 +314,16 @@ class ToolCallParser:
             if args_end is not None:
                 args = args[:args_end]
             if len(args) > call.args_sent:
-                out.append(("args", idx, args[call.args_sent:]))
+                out.append(CallArgs(idx, args[call.args_sent:]))
                 call.args_sent = len(args)
             if args_end is not None and (stop is not None or final):
                 call.done = True
-                out.append(("end", idx))
+                out.append(CallEnd(idx))
         if final:
             for idx, call in enumerate(self.calls):
                 if not call.done:
                     call.done = True
-                    out.append(("end", idx))
+                    out.append(CallEnd(idx))
             if not self.calls and body.strip():     # not a tool call after all: give the text back
                 self._emit_text(out, (self.fmt.marker or "") + self.buf)
             return False
@@ -369,13 +397,13 @@ def parse_all(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
     return collect(parser.feed(text) + parser.finish())
 
 
-def collect(events: list[tuple]) -> tuple[str, list[ToolCall]]:
+def collect(parts: list[Part]) -> tuple[str, list[ToolCall]]:
     text, calls = [], []
-    for ev in events:
-        if ev[0] == "text":
-            text.append(ev[1])
-        elif ev[0] == "call":
-            calls.append(ToolCall(ev[2], ""))
-        elif ev[0] == "args":
-            calls[ev[1]].arguments += ev[2]
+    for p in parts:
+        if isinstance(p, TextPart):
+            text.append(p.text)
+        elif isinstance(p, CallStart):
+            calls.append(ToolCall(p.name, ""))
+        elif isinstance(p, CallArgs):
+            calls[p.index].arguments += p.delta
     return "".join(text), calls
