@@ -79,3 +79,38 @@ def test_chat_page_streams_and_plots(browser, server):
         return n;""")
     assert blue > 50, "no latency line drawn"
     assert "tok/s" in browser.find_element(By.ID, "stats").text
+
+
+def test_chat_page_stop_drops_the_connection(browser, server):
+    """Stop mid-answer: the page keeps the partial answer, marked, and is ready again; the server sees the
+    connection close, cancels the generation and frees its KV."""
+    from selenium.webdriver.common.by import By
+
+    from tests.test_server_ops import value, wait_idle
+
+    before = wait_idle(server)
+    browser.get(server.url + "/")
+    for field, value_ in (("key", API_KEY), ("max", "400"), ("temp", "0")):
+        el = browser.find_element(By.ID, field)
+        el.clear()
+        el.send_keys(value_)
+    browser.find_element(By.ID, "input").send_keys("Write a long story about a dragon.")
+    browser.find_element(By.ID, "send").click()
+    text = "return document.querySelector('.msg.assistant:last-child, .msg.error:last-child').textContent;"
+    deadline = time.time() + 120
+    while len(browser.execute_script(text) or "") < 20:
+        assert time.time() < deadline, "no answer arrived"
+        time.sleep(0.05)
+    browser.find_element(By.ID, "stop").click()
+    deadline = time.time() + 10
+    while not browser.find_element(By.ID, "send").is_enabled():
+        assert time.time() < deadline, "the page did not recover after Stop"
+        time.sleep(0.05)
+    shown = browser.execute_script(text)
+    assert shown.endswith("[stopped]") and not shown.startswith("error"), shown
+    assert not browser.find_element(By.ID, "stop").is_enabled()
+    after = wait_idle(server)
+    assert value(after, "imp_kv_pages_in_use") == 0
+    assert value(after, "imp_cancelled_requests_total") - value(before, "imp_cancelled_requests_total") == 1
+    generated = value(after, "imp_generation_tokens_total") - value(before, "imp_generation_tokens_total")
+    assert generated < 200, f"{generated} tokens generated after the page stopped"
