@@ -136,7 +136,7 @@ class CpuExecutor:
     def _kv_of(self, sid: int, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of positions 0 .. n-1 of sid, gathered from its pages: [n, KV, hd] each."""
         s, pages = self.spec, self._seqs[sid].pages[:math.ceil(n / self.page_size)]
-        kv = self.kv[layer][:, pages].reshape(2, -1, s.n_kv_heads, s.head_dim)
+        kv = np.take(self.kv[layer], pages, axis=1).reshape(2, -1, s.n_kv_heads, s.head_dim)
         return kv[0, :n], kv[1, :n]
 
     # --- forward ---
@@ -175,7 +175,8 @@ class CpuExecutor:
 
         def attend(layer: int, q: np.ndarray, window: int) -> np.ndarray:
             s = self.spec
-            kv = self.kv[layer][:, page_matrix].reshape(2, len(rows), -1, s.n_kv_heads, s.head_dim)
+            # np.take, not kv[:, pages]: that result is not contiguous, and reshaping it copies slowly
+            kv = np.take(self.kv[layer], page_matrix, axis=1).reshape(2, len(rows), -1, s.n_kv_heads, s.head_dim)
             out = np.empty_like(q)
             for i, r in enumerate(rows):
                 n = r.position + 1
