@@ -24,7 +24,7 @@ from impc.errors import CompileError
 from impc.forward import embed, final_hidden, layer_forward, layer_weights
 from impc.gptq import gptq_nvfp4, weighted_error
 from impc.progress import Progress
-from impc.quantize import NVFP4Tensor, quantize_nvfp4
+from impc.quantize import NVFP4Tensor
 from imp_runtime.chat_template import ChatTemplate, TemplateError
 from imp_runtime.spec import ModelSpec
 from imp_runtime.tokenizer import Tokenizer
@@ -101,15 +101,14 @@ def calibration_set(tokenizer_json: str, tok_info: dict, chat_template: str | No
 class CalibratedModel:
     tensors: dict[str, NVFP4Tensor]                       # every NVFP4 linear, GPTQ-quantized
     output_error: dict[str, float] = field(default_factory=dict)   # relative output error on calibration
-    rtn_output_error: dict[str, float] = field(default_factory=dict)   # the same for plain rounding
     layer_seconds: list[float] = field(default_factory=list)
 
 
-def relative_output_errors(w: np.ndarray, quantized: list[np.ndarray], hessian: np.ndarray) -> list[float]:
-    """sqrt(tr(dW H dW^T) / tr(W H W^T)) of each quantized version: the change of the linear's outputs
-    on the calibration inputs, relative to the outputs."""
+def relative_output_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> float:
+    """sqrt(tr(dW H dW^T) / tr(W H W^T)): the change of the linear's outputs on the calibration inputs,
+    relative to the outputs."""
     ref = weighted_error(w, np.zeros_like(w), hessian)
-    return [float(np.sqrt(weighted_error(w, q, hessian) / ref)) if ref > 0 else 0.0 for q in quantized]
+    return float(np.sqrt(weighted_error(w, deq, hessian) / ref)) if ref > 0 else 0.0
 
 
 def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mapping[str, str],
@@ -128,8 +127,7 @@ def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mappi
         q = gptq_nvfp4(w, h)
         deq = q.dequantize()
         out.tensors[name] = q
-        out.output_error[name], out.rtn_output_error[name] = relative_output_errors(
-            w, [deq, quantize_nvfp4(w).dequantize()], h)
+        out.output_error[name] = relative_output_error(w, deq, h)
         return deq
 
     x = embed(spec, weights["embed"], calib.chunks)

@@ -41,6 +41,17 @@ def bf16_values(w: np.ndarray) -> np.ndarray:
 
 def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
                         opts, checkpoint, p: Progress) -> CalibratedQuant:
+    """One BLAS thread throughout: a matrix product's rounding depends on how the library splits it
+    between threads, and every rounding decision here depends on those products, so the bundle's bytes
+    would depend on the machine's core count. (On a busy machine one thread is also the faster.)"""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _quantize_calibrated(spec, tensors, formats, opts, checkpoint, p)
+
+
+def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
+                         opts, checkpoint, p: Progress) -> CalibratedQuant:
     budget = parse_budget(opts.budget)
     shapes = spec.tensor_shapes()
     weights: dict[str, np.ndarray] = {}
@@ -68,8 +79,8 @@ def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray
             stored[name] = w
     t0 = time.perf_counter()
     cal = calibrate(spec, stored, formats, calib, p)
-    p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; output error on "
-           f"calibration {_mean(cal.output_error):.4f} (rounding to nearest {_mean(cal.rtn_output_error):.4f})")
+    p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; relative output "
+           f"error on the calibration data: mean {_mean(cal.output_error):.4f}")
 
     cands = candidates(formats)
     sensitivity: dict[str, float] = {}
@@ -86,8 +97,7 @@ def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray
            f"{choice.weights_bytes / GiB:.3f} GiB of {choice.budget_bytes / GiB:.3f} "
            f"(all-NVFP4 {choice.base_bytes / GiB:.3f})")
 
-    errors = {name: {"out_err": round(cal.output_error[name], 6), "out_err_rtn": round(cal.rtn_output_error[name], 6)}
-              for name in cal.tensors}
+    errors = {name: {"out_err": round(cal.output_error[name], 6)} for name in cal.tensors}
     for name, kl in sensitivity.items():
         errors[name]["kl_alone"] = round(kl, 6)
     record = {"method": "gptq", "damp": DAMP, "source": calib.source, "sha256": calib.sha256,

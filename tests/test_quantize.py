@@ -144,29 +144,34 @@ def test_stored_nibble_order_scale_byte_and_codes():
 
 # ------------------------------------------------------------------ GPTQ within the NVFP4 grid
 
-def reference_gptq(w: np.ndarray, h: np.ndarray, damp: float) -> np.ndarray:
+def reference_gptq(w: np.ndarray, h: np.ndarray, damp: float, order: list[int] | None = None,
+                   scale_codes: np.ndarray | None = None) -> np.ndarray:
     """GPTQ as the optimal-brain-surgeon update, written from the paper in float64 with an explicit
-    inverse: round column j on the fixed grid, move the not-yet-rounded columns by -err * Hinv[j, :] /
-    Hinv[j, j], then remove j from the inverse. Block scales come from the original W (amax / 6), as
-    plain rounding sets them. Returns the de-quantized W."""
+    inverse: in the given column order, round column j on the fixed grid, move the columns not yet
+    rounded by -err * Hinv[j, :] / Hinv[j, j], then eliminate j from the inverse. Block scales are
+    amax / 6 of the original W (or the given E4M3 codes). Returns the de-quantized W."""
     n, k = w.shape
     amax = np.abs(w).max()
     st = float(np.float32(amax / (6 * 448)))
     step = np.zeros((n, k))
     for r in range(n):
         for b in range(k // 16):
-            _, sb = nearest_even(min(np.abs(w[r, b * 16:(b + 1) * 16]).max() / (6 * st), 448.0), E4M3_GRID)
+            if scale_codes is None:
+                _, sb = nearest_even(min(np.abs(w[r, b * 16:(b + 1) * 16]).max() / (6 * st), 448.0), E4M3_GRID)
+            else:
+                sb = E4M3_GRID[scale_codes[r, b]]
             step[r, b * 16:(b + 1) * 16] = sb * st
-    h = h + damp * np.mean(np.diag(h)) * np.eye(k)
-    hinv = np.linalg.inv(h)
+    hinv = np.linalg.inv(h + damp * np.mean(np.diag(h)) * np.eye(k))
     work = w.astype(np.float64).copy()
     out = np.zeros_like(work)
-    for j in range(k):
+    rest = list(order if order is not None else range(k))
+    while rest:
+        j = rest.pop(0)
         for r in range(n):
             x = min(abs(work[r, j]) / step[r, j], 6.0) if step[r, j] > 0 else 0.0
             out[r, j] = math.copysign(nearest_even(x, E2M1_GRID)[1], work[r, j]) * step[r, j]
         err = (work[:, j] - out[:, j]) / hinv[j, j]
-        work[:, j + 1:] -= np.outer(err, hinv[j, j + 1:])
+        work[:, rest] -= np.outer(err, hinv[j, rest])
         hinv = hinv - np.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
     return out
 
@@ -185,16 +190,27 @@ def test_gptq_matches_float64_reference_and_beats_rounding():
     x = correlated_inputs(rng, 512, k)
     h = x.T @ x
     w = rng.standard_normal((n, k)) * np.exp(0.5 * rng.standard_normal((n, 1)))
-    got_t = gptq_nvfp4(w, h)
-    got = got_t.dequantize()
-    ref = reference_gptq(w, h, DAMP)
-    # the same codes: every value equal to float32 rounding of the final tensor-scale multiply
-    np.testing.assert_allclose(got, ref, rtol=2e-7, atol=0)
-    # the grid is plain rounding's: the block scales are exactly those of quantize_nvfp4
-    assert np.array_equal(got_t.scales, quantize_nvfp4(w).scales)
-    # the objective GPTQ minimises: the calibration-weighted error, at least 15% below rounding's
     weighted = lambda q: float(np.trace((w - q) @ h @ (w - q).T))   # noqa: E731
-    assert weighted(got) < 0.85 * weighted(reference(w))
+    rounded = weighted(reference(w))
+    # columns in order, amax / 6 scales (the grid of plain rounding)
+    plain = gptq_nvfp4(w, h, act_order=False, scale_search=False)
+    assert np.array_equal(plain.scales, quantize_nvfp4(w).scales)
+    # the same codes as the reference: every value equal up to the float32 tensor-scale multiply
+    np.testing.assert_allclose(plain.dequantize(), reference_gptq(w, h, DAMP), rtol=2e-7, atol=0)
+    # act-order: the most active inputs first
+    ordered = gptq_nvfp4(w, h, act_order=True, scale_search=False).dequantize()
+    order = sorted(range(k), key=lambda j: (-h[j, j], j))
+    np.testing.assert_allclose(ordered, reference_gptq(w, h, DAMP, order), rtol=2e-7, atol=0)
+    # the default also searches block scales: each within one E4M3 code of amax / 6
+    default = gptq_nvfp4(w, h)
+    nominal = quantize_nvfp4(w).scales.astype(int)
+    assert np.all(np.abs(default.scales.astype(int) - nominal) <= 1) and np.any(default.scales != nominal)
+    np.testing.assert_allclose(default.dequantize(), reference_gptq(w, h, DAMP, order, default.scales),
+                               rtol=2e-7, atol=0)
+    # the objective GPTQ minimises, the calibration-weighted error: at least 15% below rounding's,
+    # each refinement lower still
+    assert weighted(plain.dequantize()) < 0.85 * rounded
+    assert weighted(default.dequantize()) < weighted(ordered) < weighted(plain.dequantize())
 
 
 def test_gptq_is_deterministic_and_handles_dead_inputs_and_padding():
