@@ -12,7 +12,9 @@ The budget is a factor of the weight bytes of the bundle with every candidate in
 """
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -77,7 +79,8 @@ def sensitivity_chunks(chunks: np.ndarray, n_tokens: int = SENSITIVITY_TOKENS,
 
 
 def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
-                        chunks: np.ndarray, progress: Progress | None = None) -> dict[str, float]:
+                        chunks: np.ndarray, progress: Progress | None = None,
+                        threads: int = min(2, os.cpu_count() or 1)) -> dict[str, float]:
     """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor
     (float32 log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding)."""
     p = progress or Progress(quiet=True)
@@ -85,8 +88,8 @@ def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], qu
     for i in range(spec.n_layers):
         inputs.append(layer_forward(spec, i, layer_weights(reference, i), inputs[-1]))
     ref_logp = log_probs(spec, reference, inputs[-1], np.float32)
-    out: dict[str, float] = {}
-    for n, name in enumerate(quantized, 1):
+
+    def one(name: str) -> float:
         if name == "lm_head":
             x, weights = inputs[-1], {**reference, "lm_head": quantized[name]}
         else:
@@ -96,8 +99,15 @@ def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], qu
             x = layer_forward(spec, layer, w, inputs[layer])
             for j in range(layer + 1, spec.n_layers):
                 x = layer_forward(spec, j, layer_weights(reference, j), x)
-        out[name] = mean_kl(ref_logp, log_probs(spec, weights, x, np.float32))
-        p.count("tensors measured", n, len(quantized))
+        return mean_kl(ref_logp, log_probs(spec, weights, x, np.float32))
+
+    # Each measurement is independent and numpy releases the GIL in its matrix products and loops, so
+    # threads use the cores; every value is computed the same way whichever thread runs it.
+    out: dict[str, float] = {}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for n, (name, kl) in enumerate(zip(quantized, pool.map(one, quantized)), 1):
+            out[name] = kl
+            p.count("tensors measured", n, len(quantized))
     return out
 
 
