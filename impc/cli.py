@@ -202,6 +202,11 @@ def cmd_inspect(a) -> int:
         by_fmt.setdefault(e["format"], []).append(e)
     print(f"quant    {q['mode']} (embed {q['embed']}, head {q['lm_head']}): " +
           ", ".join(f"{len(v)} {k}" for k, v in sorted(by_fmt.items())))
+    cal = q.get("calibration")
+    if cal:
+        print(f"         calibration: {json.dumps({k: v for k, v in cal.items() if k != 'widened'})}")
+        if cal.get("widened"):
+            print(f"         kept in bf16 by the byte budget: {', '.join(cal['widened'])}")
     for fmt in ("nvfp4", "bf16"):
         errs = [e["rel_rms"] for e in by_fmt.get(fmt, [])]
         if errs:

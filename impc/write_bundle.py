@@ -32,7 +32,8 @@ def write_bundle(out: Path, manifest: dict, arrays: dict[str, np.ndarray], texts
     tmp.chmod(0o755)
     try:
         if arrays:
-            save_file(arrays, str(tmp / WEIGHTS))
+            # safetensors writes an array's raw buffer: a Fortran-ordered one would be stored scrambled
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / WEIGHTS))
         for rel, text in texts.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_text(text)
