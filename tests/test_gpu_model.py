@@ -52,7 +52,7 @@ def logits_run(ex, tokens, n_prompt, chunk: int | None = None):
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "llama-mixed"])
 def test_tiny_logits(name):
     cpu, gpu = executors(gpu_bundle(name))
     try:
