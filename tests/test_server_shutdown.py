@@ -67,5 +67,7 @@ def test_sigterm_ends_generations_cleanly():
     assert all("error" not in json.loads(x) for x in lines[:-2])
     r = waiting["r"]
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
-    # ended at once, not when the 3 s grace period ran out and uvicorn cancelled what was left
-    assert t_stream_end - t_term < 2.0 and t_exit - t_term < 2.5, (t_stream_end - t_term, t_exit - t_term)
+    # the stream ended at once, not when the 3 s grace period ran out and uvicorn cut what was left; the
+    # process then stops its generation worker and exits
+    assert t_stream_end - t_term < 2.0, t_stream_end - t_term
+    assert t_exit - t_term < 10.0 and proc.returncode in (0, -signal.SIGTERM), (t_exit - t_term, proc.returncode)
