@@ -20,6 +20,14 @@ from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
 
 
+
+def anthropic_usage(n_prompt: int, choice) -> dict:
+    """Anthropic counts prompt tokens read from the prefix cache apart from the rest (input_tokens +
+    cache_read_input_tokens = the prompt)."""
+    cached = choice.cached_tokens
+    return {"input_tokens": n_prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": choice.n_tokens}
+
 def parse_messages(body: dict) -> list[dict]:
     out: list[dict] = []
     system = body.get("system")
@@ -209,7 +217,7 @@ async def messages(svc: Service, request: Request, body: dict):
         reason, seq = stop_info()
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
                              "content": blocks.blocks, "stop_reason": reason, "stop_sequence": seq,
-                             "usage": {"input_tokens": len(ids), "output_tokens": choice.n_tokens}})
+                             "usage": anthropic_usage(len(ids), choice)})
 
     def event(kind: str, data: dict) -> str:
         return named_sse(kind, {"type": kind, **data})
@@ -226,6 +234,6 @@ async def messages(svc: Service, request: Request, body: dict):
                 yield event(kind, data)
         reason, seq = stop_info()
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                      "usage": {"input_tokens": len(ids), "output_tokens": choice.n_tokens}})
+                                      "usage": anthropic_usage(len(ids), choice)})
         yield event("message_stop", {})
     return event_stream(svc, [job], body_iter(), lambda e: named_sse("error", anthropic_error_body(e)))

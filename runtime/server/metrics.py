@@ -25,6 +25,17 @@ class Metrics:
         self.kv_pages = Gauge("imp_kv_pages_in_use", "KV cache pages held by running generations", registry=r)
         self.cancelled = Counter("imp_cancelled_requests", "generations cancelled because the client left",
                                  registry=r)
+        self.prefix_query = Gauge("imp_prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache "
+                                  "since start", registry=r)
+        self.prefix_hit = Gauge("imp_prefix_cache_hit_tokens", "prompt tokens whose KV the prefix cache held, "
+                                "since start", registry=r)
+        self.preemptions = Gauge("imp_preemptions", "requests preempted (recomputed later) since start", registry=r)
+
+    def watch_scheduler(self, scheduler) -> None:
+        """Read the scheduler's own counters at scrape time (they count in the generation thread)."""
+        self.prefix_query.set_function(lambda: scheduler.prefix_query_tokens)
+        self.prefix_hit.set_function(lambda: scheduler.prefix_hit_tokens)
+        self.preemptions.set_function(lambda: scheduler.preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

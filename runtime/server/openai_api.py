@@ -122,7 +122,8 @@ def parse_chat_messages(body: dict) -> list[dict]:
 
 def usage(n_prompt: int, choices: list[Choice]) -> dict:
     done = sum(c.n_tokens for c in choices)
-    return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
+    return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
+            "prompt_tokens_details": {"cached_tokens": max((c.cached_tokens for c in choices), default=0)}}
 
 
 def chunker(rid: str, kind: str, created: int, model: str, include_usage: bool):

@@ -158,7 +158,7 @@ async def responses(svc: Service, request: Request, body: dict):
                 "temperature": params.temperature, "top_p": params.top_p,
                 "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice", mode),
                 "tools": body.get("tools", []), "truncation": "disabled", "metadata": body.get("metadata") or {},
-                "usage": {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": 0},
+                "usage": {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": choice.cached_tokens},
                           "output_tokens": choice.n_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": len(ids) + choice.n_tokens} if done else None}
 

@@ -41,6 +41,7 @@ class Service:
         self.api_key = api_key
         self.limits = limits or Limits()
         self.metrics = Metrics()
+        self.metrics.watch_scheduler(engine.scheduler)
         self.queue = FairQueue(engine, self.metrics, self.limits.max_running, self.limits.page_size)
         self.tool_format: ToolFormat = detect_format(engine.chat.source)
         tok = engine.tokenizer
@@ -260,6 +261,11 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (the usage's cached_tokens)."""
+        return self.events[0].cached_tokens if self.events else 0
 
     @property
     def n_tokens(self) -> int:
