@@ -21,6 +21,11 @@ WEATHER = {"name": "get_weather", "description": "Get the current weather in a c
 GREEDY = {"temperature": 0}     # this SDK version has no temperature argument; the API still takes it
 
 
+def prompt_total(usage) -> int:
+    """The prompt's tokens in Anthropic's usage: those computed plus those read from the prefix cache."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
@@ -35,7 +40,7 @@ def test_message_usage_matches_tokenizer(reference, client, server, hf_tokenizer
     r = reference
     assert r.role == "assistant" and r.content[0].type == "text" and r.content[0].text
     expected = chat_prompt_tokens(hf_tokenizer, QUESTION)
-    assert r.usage.input_tokens == expected
+    assert prompt_total(r.usage) == expected and r.usage.input_tokens >= 1
     assert client.messages.count_tokens(model=server.model, messages=QUESTION).input_tokens == expected
     assert r.stop_reason in ("end_turn", "max_tokens")
     if r.stop_reason == "max_tokens":
@@ -73,7 +78,10 @@ def test_stream_equals_non_stream_with_exact_events(reference, server):
     delta = events[-2]
     assert delta["delta"]["stop_reason"] == reference.stop_reason
     assert delta["usage"]["output_tokens"] == reference.usage.output_tokens
-    assert events[0]["message"]["usage"]["input_tokens"] == reference.usage.input_tokens
+    u = events[0]["message"]["usage"]
+    assert u["input_tokens"] + u.get("cache_read_input_tokens", 0) == prompt_total(reference.usage)
+    d = delta["usage"]
+    assert d["input_tokens"] + d["cache_read_input_tokens"] == prompt_total(reference.usage)
 
 
 def test_sdk_stream_helper(reference, client, server):
@@ -130,7 +138,7 @@ def test_tool_result_round_trip(client, server, hf_tokenizer):
     assert r.content[0].type == "text" and r.content[0].text and r.stop_reason in ("end_turn", "max_tokens")
     n_long = client.messages.count_tokens(model=server.model, messages=history(long), tools=[WEATHER]).input_tokens
     own = lambda s: len(hf_tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    assert n_long - r.usage.input_tokens == own(long) - own(short) > 0
+    assert n_long - prompt_total(r.usage) == own(long) - own(short) > 0
 
 
 def test_json_schema_output_validates(client, server):

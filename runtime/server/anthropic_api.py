@@ -20,13 +20,13 @@ from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
 
 
-
 def anthropic_usage(n_prompt: int, choice) -> dict:
     """Anthropic counts prompt tokens read from the prefix cache apart from the rest (input_tokens +
     cache_read_input_tokens = the prompt)."""
     cached = choice.cached_tokens
     return {"input_tokens": n_prompt - cached, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached, "output_tokens": choice.n_tokens}
+
 
 def parse_messages(body: dict) -> list[dict]:
     out: list[dict] = []
