@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from impc.errors import CompileError
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, gfmt, xfmt
 from imp_runtime.nvfp4 import BLOCK
-from imp_runtime.program import ALIGN, Buffer, Launch, Phase, Program, validate
+from imp_runtime.program import ALIGN, Buffer, Launch, Phase, Program, evaluate, validate
 from imp_runtime.rope import inv_freq
 from imp_runtime.spec import ModelSpec
 
@@ -125,11 +125,6 @@ def rope_variants(spec: ModelSpec) -> list[tuple]:
     return list(dict.fromkeys(spec.rope_for(i) for i in range(spec.n_layers)))
 
 
-def linear_bytes(shape: tuple[int, int], fmt: str) -> int:
-    n, k = shape
-    return n * k // 2 + n * k // BLOCK + 4 if fmt == "nvfp4" else n * k * 2
-
-
 def fa_geometry(head_dim: int) -> tuple[int, int]:
     """(key tile, dynamic shared memory) of attn_prefill_f16 (templates/attn_prefill.cu.j2)."""
     kt = 64 if head_dim <= 128 else 32
@@ -165,7 +160,7 @@ def i32(v) -> dict:
 
 def ev(v, rows: int) -> int:
     """A value at `rows` (reads and writes are counted at the phase's full size)."""
-    return v if isinstance(v, int) else -(-rows * v.get("mul", 1) // v.get("ceil_div", 1)) + v.get("add", 0)
+    return evaluate(v, {"rows": rows})
 
 
 def sym_rows(mul: int = 1, ceil_div: int = 1):

@@ -10,7 +10,7 @@ import numpy as np
 
 from imp_runtime.bundle import WEIGHTS, Bundle, BundleError
 from imp_runtime.cuda_driver import check, cu, htod
-from imp_runtime.program import Buffer, Program
+from imp_runtime.program import Program
 
 GiB = 1 << 30
 NP_DTYPES = {"u8": np.uint8, "u16": np.uint16, "bf16": np.uint16, "f16": np.float16, "i32": np.int32,
@@ -51,9 +51,6 @@ class DeviceArena:
                     raise BundleError(f"{bundle.path}: {b.name} holds {arr.nbytes} bytes, the program plans {b.bytes}")
                 htod(self.ptr(b.name), arr, self.stream)
                 check(cu.cuStreamSynchronize(self.stream))     # the host array may go once copied
-
-    def buffer(self, name: str) -> Buffer:
-        return self.program.buffers[name]
 
     def ptr(self, name: str, offset: int = 0) -> int:
         return self.base + self.program.buffers[name].offset + offset

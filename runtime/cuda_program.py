@@ -56,7 +56,7 @@ def bind_launch(x: Launch, module: Module, arena: DeviceArena, env: dict[str, in
                 symbolic.append((obj, off, base))
         else:
             (kind, v), = a.items()
-            obj = _CTYPES[kind](evaluate(v, env) if kind in ("i32",) else v)
+            obj = _CTYPES[kind](evaluate(v, env) if kind == "i32" else v)
             if kind == "i32" and symbols_of(v):
                 symbolic.append((obj, v, 0))
         values.append(obj)
