@@ -63,6 +63,32 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.transpose(2, 0, 1, 3).reshape(t, h, hd)
 
 
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, scale: float,
+                     window: int) -> np.ndarray:
+    """`attention` for a decode batch: row b's one query (at position lengths[b] - 1) over its keys
+    0 .. lengths[b] - 1, every row at once. q [B, H, hd]; k/v [B, S, KV, hd], S >= max(lengths), where
+    keys past a row's length are padding (masked, whatever they hold) -> [B, H, hd]. The reference of
+    templates/attn_decode.cu.j2; equal to `attention` row by row (tests/test_continuous_batching.py)."""
+    b, h, hd = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, kv, g, hd)
+    # [B, KV, G, hd] @ [B, KV, hd, S]: one batched product per layer, not one per row; the transposed
+    # views have a unit stride in one of their last two axes, so matmul hands them to BLAS uncopied
+    scores = np.matmul(qg, k.transpose(0, 2, 3, 1)) * np.float32(scale)
+    k_pos = np.arange(s)
+    q_pos = lengths - 1
+    mask = k_pos[None, :] > q_pos[:, None]                                # [B, S]
+    if window:
+        mask |= (q_pos[:, None] - k_pos[None, :]) >= window
+    scores = np.where(mask[:, None, None, :], np.float32(-np.inf), scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    # padding keys have p = 0, so their values (zeros, or finite KV of another sequence) add nothing
+    return np.matmul(p, v.transpose(0, 2, 1, 3)).reshape(b, h, hd)          # [B, KV, G, hd]
+
+
 # ------------------------------------------------------------------ executor
 
 KV_BUDGET_BYTES = 1 << 30          # the pool's cap on the host; numpy's zeroed memory is committed lazily
@@ -158,7 +184,8 @@ class CpuExecutor:
 
     def decode(self, rows: list[StepRow]) -> StepResult:
         """One token for every row as one batch: each linear is one matrix product over all rows, and
-        attention runs per row over that row's pages; then each row is sampled with its parameters."""
+        attention one batched product over every row's pages (padded to the longest row, masked); then
+        each row is sampled with its parameters."""
         if not 1 <= len(rows) <= self.max_batch:
             raise ValueError(f"a decode step takes 1 to {self.max_batch} rows, not {len(rows)}")
         pos = np.asarray([r.position for r in rows], dtype=np.int64)
@@ -177,11 +204,7 @@ class CpuExecutor:
             s = self.spec
             # np.take, not kv[:, pages]: that result is not contiguous, and reshaping it copies slowly
             kv = np.take(self.kv[layer], page_matrix, axis=1).reshape(2, len(rows), -1, s.n_kv_heads, s.head_dim)
-            out = np.empty_like(q)
-            for i, r in enumerate(rows):
-                n = r.position + 1
-                out[i:i + 1] = attention(q[i:i + 1], kv[0, i, :n], kv[1, i, :n], pos[i:i + 1], s.softmax_scale, window)
-            return out
+            return decode_attention(q, kv[0], kv[1], pos + 1, s.softmax_scale, window)
 
         h = self._forward(np.asarray([r.token for r in rows], dtype=np.int64), pos, slots, attend)
         logits = self._logits(h)

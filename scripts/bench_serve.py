@@ -128,6 +128,7 @@ def bench(a) -> dict:
                 with lock:
                     results.append(res)
 
+    cpu0 = cpu_seconds(a.server_pid)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(a.clients)]
     for t in threads:
@@ -135,6 +136,7 @@ def bench(a) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    server_cpu = None if cpu0 is None else cpu_seconds(a.server_pid) - cpu0
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft for r in ok]
     # gaps between tokens as the client sees them (a burst of tokens shows as near-zero gaps)
@@ -145,6 +147,8 @@ def bench(a) -> dict:
         "url": a.url, "clients": a.clients, "requests": len(results), "failures": len(results) - len(ok),
         "wall_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3),
         "output_tok_per_s": round(out_tokens / wall, 2), "output_tokens": out_tokens,
+        "server_cpu_s": None if server_cpu is None else round(server_cpu, 2),
+        "output_tok_per_server_cpu_s": round(out_tokens / server_cpu, 2) if server_cpu else None,
         "prompt_tokens_mean": round(sum(r.prompt_tokens for r in results) / max(len(results), 1), 1),
         "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
         "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)),
@@ -154,6 +158,16 @@ def bench(a) -> dict:
                         for r in sorted(results, key=lambda r: r.index)],
         "args": {k: v for k, v in vars(a).items() if k not in ("api_key",)},
     }
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), threads included: throughput per CPU-second
+    of the server is steadier than per wall-second on a machine that other work also loads."""
+    if pid is None:
+        return None
+    import os
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv=None):
@@ -176,6 +190,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, help="also write the result as JSON to this file")
     p.add_argument("--per-request", action="store_true", help="print each request's TTFT and tokens")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="the server's process id, on this machine: also report output tokens per CPU-second it used")
     a = p.parse_args(argv)
     if a.requests is None:
         a.requests = 4 * a.clients
@@ -190,6 +206,8 @@ def main(argv=None) -> int:
     print(f"{r['requests']} requests, {r['clients']} clients, prompts ~{r['prompt_tokens_mean']:.0f} tokens: "
           f"{r['requests_per_s']} req/s, {r['output_tok_per_s']} output tok/s over {r['wall_s']} s, "
           f"{r['failures']} failed")
+    if r["server_cpu_s"] is not None:
+        print(f"server CPU {r['server_cpu_s']} s: {r['output_tok_per_server_cpu_s']} output tok per CPU-second")
     print(f"TTFT p50 {r['ttft_ms_p50']} ms, p99 {r['ttft_ms_p99']} ms; "
           f"inter-token p50 {r['itl_ms_p50']} ms, p99 {r['itl_ms_p99']} ms")
     for e in r["errors"]:
