@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from impc.errors import CompileError
-from impc.forward import embed, layer_forward, layer_weights, log_probs, mean_kl
+from impc.forward import embed, layer_forward, layer_weights, log_probs
 from impc.plan import GiB, tensor_bytes, weights_bytes
 from impc.progress import Progress
 from imp_runtime.spec import ModelSpec
@@ -78,34 +78,49 @@ def sensitivity_chunks(chunks: np.ndarray, n_tokens: int = SENSITIVITY_TOKENS,
     return chunks[rows, :t]
 
 
-def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
-                        chunks: np.ndarray, progress: Progress | None = None,
-                        threads: int = min(2, os.cpu_count() or 1)) -> dict[str, float]:
-    """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor
-    (float32 log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding)."""
-    p = progress or Progress(quiet=True)
-    inputs = [embed(spec, reference["embed"], chunks)]
-    for i in range(spec.n_layers):
-        inputs.append(layer_forward(spec, i, layer_weights(reference, i), inputs[-1]))
-    ref_logp = log_probs(spec, reference, inputs[-1], np.float32)
+class SensitivityMeter:
+    """The reference model on the sensitivity tokens, run once: each layer's input and the next-token
+    distributions. measure() then runs one tensor's replacement from its own layer on (float32
+    log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding). It is
+    safe to call from several threads: it only reads what __init__ computed, and each value is
+    computed the same way whichever thread runs it."""
 
-    def one(name: str) -> float:
+    def __init__(self, spec: ModelSpec, reference: Mapping[str, np.ndarray], chunks: np.ndarray):
+        self.spec, self.reference = spec, reference
+        self.inputs = [embed(spec, reference["embed"], chunks)]
+        for i in range(spec.n_layers):
+            self.inputs.append(layer_forward(spec, i, layer_weights(reference, i), self.inputs[-1]))
+        self.ref_logp = log_probs(spec, reference, self.inputs[-1], np.float32)
+        self.ref_p = np.exp(self.ref_logp)       # mean_kl's first factor, computed once
+
+    def measure(self, name: str, quantized: np.ndarray) -> float:
+        """Mean KL(reference || reference with only `name` replaced by `quantized`)."""
+        spec, reference = self.spec, self.reference
         if name == "lm_head":
-            x, weights = inputs[-1], {**reference, "lm_head": quantized[name]}
+            x, weights = self.inputs[-1], {**reference, "lm_head": quantized}
         else:
             layer, weights = int(name.split(".")[1]), reference
             w = layer_weights(reference, layer)
-            w[name.rsplit(".", 1)[1]] = quantized[name]
-            x = layer_forward(spec, layer, w, inputs[layer])
+            w[name.rsplit(".", 1)[1]] = quantized
+            x = layer_forward(spec, layer, w, self.inputs[layer])
             for j in range(layer + 1, spec.n_layers):
                 x = layer_forward(spec, j, layer_weights(reference, j), x)
-        return mean_kl(ref_logp, log_probs(spec, weights, x, np.float32))
+        logp = log_probs(spec, weights, x, np.float32)
+        return float(np.mean(np.sum(self.ref_p * (self.ref_logp - logp), axis=-1)))     # = mean_kl
 
+
+def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
+                        chunks: np.ndarray, progress: Progress | None = None,
+                        threads: int = min(2, os.cpu_count() or 1)) -> dict[str, float]:
+    """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor.
+    (The compiler overlaps these with the GPTQ pass instead: quantize_calibrated.py.)"""
+    p = progress or Progress(quiet=True)
+    meter = SensitivityMeter(spec, reference, chunks)
     # Each measurement is independent and numpy releases the GIL in its matrix products and loops, so
-    # threads use the cores; every value is computed the same way whichever thread runs it.
+    # threads use the cores.
     out: dict[str, float] = {}
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for n, (name, kl) in enumerate(zip(quantized, pool.map(one, quantized)), 1):
+        for n, (name, kl) in enumerate(zip(quantized, pool.map(lambda t: meter.measure(t, quantized[t]), quantized)), 1):
             out[name] = kl
             p.count("tensors measured", n, len(quantized))
     return out

@@ -22,7 +22,7 @@ import numpy as np
 
 from impc.errors import CompileError
 from impc.forward import embed, final_hidden, layer_forward, layer_weights
-from impc.gptq import gptq_nvfp4, weighted_error
+from impc.gptq import gptq_nvfp4_with_error, weighted_error
 from impc.progress import Progress
 from impc.quantize import NVFP4Tensor
 from imp_runtime.chat_template import ChatTemplate, TemplateError
@@ -104,11 +104,11 @@ class CalibratedModel:
     layer_seconds: list[float] = field(default_factory=list)
 
 
-def relative_output_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> float:
-    """sqrt(tr(dW H dW^T) / tr(W H W^T)): the change of the linear's outputs on the calibration inputs,
-    relative to the outputs."""
+def relative_output_error(w: np.ndarray, error: float, hessian: np.ndarray) -> float:
+    """sqrt(tr(dW H dW^T) / tr(W H W^T)) given the numerator: the change of the linear's outputs on the
+    calibration inputs, relative to the outputs."""
     ref = weighted_error(w, np.zeros_like(w), hessian)
-    return float(np.sqrt(weighted_error(w, deq, hessian) / ref)) if ref > 0 else 0.0
+    return float(np.sqrt(max(error, 0.0) / ref)) if ref > 0 else 0.0
 
 
 def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mapping[str, str],
@@ -124,10 +124,10 @@ def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mappi
         if formats[name] != "nvfp4":
             return w
         h = (inputs.T @ inputs).astype(np.float64)          # float32 products, float64 from here on
-        q = gptq_nvfp4(w, h)
-        deq = q.dequantize()
-        out.tensors[name] = q
-        out.output_error[name] = relative_output_error(w, deq, h)
+        res = gptq_nvfp4_with_error(w, h)
+        deq = res.tensor.dequantize()
+        out.tensors[name] = res.tensor
+        out.output_error[name] = relative_output_error(w, res.weighted_error, h)
         return deq
 
     x = embed(spec, weights["embed"], calib.chunks)

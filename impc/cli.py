@@ -42,6 +42,10 @@ def _add_compile(sub) -> None:
                    help="no programmatic dependent launch in the decode graphs (default: on)")
     p.add_argument("--prefill-split-k", action="store_true",
                    help="atomic split-K in prefill GEMMs: faster small chunks, not bitwise reproducible (default off)")
+    p.add_argument("--prefill-weights", default="auto", choices=["auto", "copy", "dequant"],
+                   help="Hopper prefill reads NVFP4 layer weights from an fp16 copy expanded at load (copy), or "
+                        "expands each just before its GEMM every chunk (dequant; no extra memory); auto: copy when "
+                        "the copies take at most a quarter of the GPU memory (default auto)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
@@ -108,7 +112,8 @@ def cmd_compile(a) -> int:
                           quant_head=a.quant_head, scale_search=a.scale_search, calibrate=a.calibrate,
                           calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, name=a.name,
-                          gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k)
+                          gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
+                          prefill_weights=a.prefill_weights)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -42,6 +42,7 @@ class CompileOptions:
     gemv_max_rows: int = 16          # decode batches up to this many rows run the GEMV, larger the GEMM
     pdl: bool = True                 # programmatic dependent launch in the decode graphs
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
+    prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)
 
     def program_options(self) -> ProgramOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k)
@@ -86,7 +87,7 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
     formats = formats or tensor_formats(spec, opts)
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
-    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch)
+    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights)
     for line in describe(plan):
         p.info(line)
     return formats, targets, plan
@@ -195,7 +196,8 @@ def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str
                               "scale_search": opts.scale_search, "calibrate": opts.calibrate,
                               "calib": Path(opts.calib).name if opts.calib else None, "budget": opts.budget, "targets": [e.target for e in emitted],
                               "vram_gib": opts.vram_gib, "max_context": opts.max_context,
-                              "max_batch": opts.max_batch, **opts.program_options().to_dict(), **{k: v for k, v in extra.get("synthetic", {}).items()
+                              "max_batch": opts.max_batch, "prefill_weights": opts.prefill_weights,
+                              **opts.program_options().to_dict(), **{k: v for k, v in extra.get("synthetic", {}).items()
                                                               if k == "seed"}},
                   "compiler": compiler_record() if emitted else None,
                   "templates": template_hashes()},

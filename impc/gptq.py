@@ -10,30 +10,50 @@ same bytes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from impc.quantize import NVFP4Tensor, nvfp4_scales, pack_codes, pad_k, round_e2m1
+from impc.quantize import NVFP4Tensor, nvfp4_scales, pack_codes, pad_k
 from imp_runtime.nvfp4 import BLOCK, E2M1_VALUES, E4M3_VALUES
 
 DAMP = 0.01          # of the mean diagonal of H, added to it: keeps H invertible, as the GPTQ paper does
 LAZY_BLOCK = 64      # columns whose updates to the rest are applied as one matrix product (same result up to rounding)
 
 
-def inverse_hessian_factor(hessian: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
-    """The upper Cholesky factor U of H^-1 (H^-1 = U^T U) after dampening, and the mask of dead input
-    channels (never active in the calibration data: their weights cannot matter and are zeroed)."""
+@dataclass
+class HessianFactor:
+    r: np.ndarray           # upper triangular, H + damping = R R^T
+    dead: np.ndarray        # bool [K]: input channels never active in the calibration data
+    damping: float          # added to H's diagonal
+
+
+def hessian_factor(hessian: np.ndarray, damp: float = DAMP) -> HessianFactor:
+    """Dampen H (and give dead channels, whose weights cannot matter and are zeroed, a unit diagonal),
+    then factor it as R R^T by a Cholesky in reversed order. GPTQ's usual factor U (H^-1 = U^T U) is
+    R^-1; the loop below uses R itself, so no inverse is needed."""
     h = np.array(hessian, dtype=np.float64)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
-    h[np.diag_indices_from(h)] += damp * float(np.mean(np.diag(h)))
-    # With J the order reversal and J H J = M M^T (M lower), H^-1 = (J M^-1 J)^T (J M^-1 J): one
-    # Cholesky and one triangular inverse give U = J M^-1 J directly.
-    m = np.linalg.cholesky(h[::-1, ::-1])
-    return np.ascontiguousarray(np.linalg.inv(m)[::-1, ::-1]), dead
+    damping = damp * float(np.mean(np.diag(h)))
+    h[np.diag_indices_from(h)] += damping
+    # With J the order reversal and J H J = M M^T (M lower), R = J M J.
+    return HessianFactor(np.ascontiguousarray(np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]), dead, damping)
 
 
 def gptq_nvfp4(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP, act_order: bool = True,
                scale_search: bool = True) -> NVFP4Tensor:
+    return gptq_nvfp4_with_error(w, hessian, damp, act_order, scale_search).tensor
+
+
+@dataclass
+class GPTQResult:
+    tensor: NVFP4Tensor
+    weighted_error: float      # tr((W - Q) H (W - Q)^T) with the undampened H, in float64
+
+
+def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP, act_order: bool = True,
+                          scale_search: bool = True) -> GPTQResult:
     """W [N, K] and H [K, K] (sum of x x^T of the inputs) -> NVFP4 whose codes minimise the
     H-weighted error column by column. The grid is fixed first: amax / 6 block scales, or with
     scale_search the neighbouring E4M3 code where it rounds the block with less input-weighted error.
@@ -52,40 +72,73 @@ def gptq_nvfp4(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP, act_order
     step = np.repeat(E4M3_VALUES[scales].T.astype(np.float64) * float(tscale[0]), BLOCK, axis=0)   # [Kp, N]
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(kp)
     h, w, step = h[np.ix_(order, order)], w[:, order], step[order]
-    u, dead = inverse_hessian_factor(h, damp)
-    w[:, dead] = 0.0
-    # Transposed, so that a column of W is a contiguous row: [Kp, N] for W, its grid steps, its codes.
+    f = hessian_factor(h, damp)
+    r = f.r
+    w[:, f.dead] = 0.0
+    # GPTQ as error feedback (Babai's nearest plane; Chen et al. 2024): column c is rounded after adding
+    # sum_{i<c} (W_i - Q_i) R_ic / R_cc, the optimal-brain-surgeon update of the paper written with R
+    # (H = R R^T) instead of the inverse's factor. Transposed, so that a column of W is a contiguous row:
+    # [Kp, N] for W, its grid steps, codes and errors.
+    rs = r / np.diag(r)[None, :]
     wt = np.ascontiguousarray(w.T)
+    dt = np.zeros_like(wt)
     inv_step = np.where(step > 0, 1.0 / np.where(step > 0, step, 1.0), 0.0)
     codes = np.zeros((kp, n), dtype=np.uint8)
+    residual = np.zeros_like(wt)            # each column's rounding error as the loop saw it
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
-        w1 = wt[i1:i2].copy()
-        err1 = np.zeros_like(w1)
+        wb = wt[i1:i2] + rs[:i1, i1:i2].T @ dt[:i1]     # the earlier blocks' feedback as one product
         for j in range(i2 - i1):
             c = i1 + j
-            q = round_e2m1(w1[j] * inv_step[c])            # a zero step (all-zero block) gives code 0
+            q = e2m1_codes(wb[j] * inv_step[c])            # a zero step (all-zero block) gives code 0
             codes[c] = q
-            e = (w1[j] - E2M1_VALUES[q] * step[c]) / u[c, c]
-            w1[j:] -= u[c, c:i2, None] * e
-            err1[j] = e
-        wt[i2:] -= u[i1:i2, i2:].T @ err1
+            deq = E2M1_VALUES[q] * step[c]
+            dt[c] = wt[c] - deq
+            residual[c] = wb[j] - deq
+            wb[j + 1:] += rs[c, c + 1:i2, None] * dt[c]
     codes = np.ascontiguousarray(codes[np.argsort(order)].T)
-    return NVFP4Tensor(pack_codes(codes), scales, tscale, (n, k))
+    # GPTQ's own loss is the weighted error for free: with D = W - Q, D R's column c is R_cc times the
+    # rounding error of column c as the loop saw it, and ||D R||^2 = tr(D H_damped D^T); removing the
+    # dampening leaves tr(D H D^T) (dead inputs hold D = 0 in the loop and add nothing either way).
+    loss = float(np.sum(np.diag(r) ** 2 * np.sum(residual * residual, axis=1)) - f.damping * np.sum(dt * dt))
+    return GPTQResult(NVFP4Tensor(pack_codes(codes), scales, tscale, (n, k)), loss)
+
+
+# E2M1 rounding as round_e2m1 does it (nearest, ties to the even code, saturating at 6), by counting the
+# decision points below |x|: seven comparisons run several times faster than searchsorted on big arrays.
+# (threshold, whether a value equal to it rounds up): ties go down at .25, 1.25, 2.5, 5 and up at .75,
+# 1.75, 3.5.
+_E2M1_DECISIONS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_codes(x: np.ndarray) -> np.ndarray:
+    """The same nibbles as impc.quantize.round_e2m1 (tests/test_calibrate.py checks it on every tie)."""
+    return e2m1_magnitude_codes(np.abs(x)) | ((x < 0).view(np.uint8) << 3)
+
+
+def e2m1_magnitude_codes(a: np.ndarray) -> np.ndarray:
+    """Non-negative values to the codes 0..7 of their nearest E2M1 magnitudes."""
+    code = np.zeros(a.shape, dtype=np.uint8)
+    for t, tie_up in _E2M1_DECISIONS:
+        code += (a >= t if tie_up else a > t).view(np.uint8)
+    return code
 
 
 def weighted_scale_search(w: np.ndarray, nominal: np.ndarray, st: float, weight: np.ndarray) -> np.ndarray:
     """Per block, the E4M3 code among nominal-1, nominal, nominal+1 whose rounding to nearest has the
     least input-weighted squared error sum_j H_jj (w_j - q_j)^2."""
     n, kp = w.shape
-    blocks = w.reshape(n, kp // BLOCK, BLOCK)
+    mag = np.abs(w).reshape(n, kp // BLOCK, BLOCK)      # the grid is symmetric: magnitudes suffice
     wgt = weight.reshape(1, kp // BLOCK, BLOCK)
     best, best_err = nominal, None
     for offset in (0, -1, 1):
         cand = np.where(nominal == 0, 0, np.clip(nominal.astype(np.int16) + offset, 1, 126)).astype(np.uint8)
         stp = (E4M3_VALUES[cand].astype(np.float64) * st)[:, :, None]
-        q = E2M1_VALUES[round_e2m1(np.where(stp > 0, blocks / np.where(stp > 0, stp, 1.0), 0.0))] * stp
-        err = np.sum(wgt * (blocks - q) ** 2, axis=2)
+        # a zero step (scale code 0) rounds its block to zeros whatever the codes: divide by 1 there
+        d = mag - E2M1_VALUES[e2m1_magnitude_codes(mag / np.where(stp > 0, stp, 1.0))] * stp
+        d *= d
+        d *= wgt
+        err = np.sum(d, axis=2)
         if best_err is None:
             best_err = err
         else:

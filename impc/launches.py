@@ -25,6 +25,9 @@ PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16",
 ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
+WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
+WG_STAGES = {128: 6, 256: 4}                            # its ring depth per BN: ~192 KB of shared memory
+F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
 
@@ -75,12 +78,41 @@ def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
             "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB)}
 
 
+def wg_smem_bytes(bn: int) -> int:
+    """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
+    return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
+
+
+def wgmma_weights(spec: ModelSpec, formats: dict[str, str]) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the NVFP4 layer linears the wgmma prefill GEMM reads expanded to fp16."""
+    return [(name, *shape) for name, shape in spec.tensor_shapes().items()
+            if name.startswith("layers.") and formats[name] == "nvfp4"]
+
+
+def prefill_weights_mode(spec: ModelSpec, formats: dict[str, str], target: dict, vram_bytes: int,
+                         choice: str = "auto") -> str:
+    """How prefill reads NVFP4 weights on this target:
+    - "none": no wgmma (not Hopper): the mma.sync GEMM expands them in registers;
+    - "copy": an fp16 copy of every layer linear, expanded once at load (the init phase), when the copies
+      take at most a quarter of the device memory (8B: 14 GB of 139): prefill is then pure GEMM;
+    - "dequant": each linear expanded into one scratch buffer just before its GEMM, every prefill chunk
+      (bigger models; costs ~0.3 ms a layer of the 8B shape per chunk, bandwidth-bound)."""
+    if choice not in ("auto", "copy", "dequant"):
+        raise CompileError(f"--prefill-weights {choice}: choose auto, copy or dequant")
+    if target["compute_capability"][0] != 9:
+        return "none"
+    if choice != "auto":
+        return choice
+    copy = sum(n * k * 2 for _, n, k in wgmma_weights(spec, formats))
+    return "copy" if copy <= vram_bytes // 4 else "dequant"
+
+
 def aligned(n: int) -> int:
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
 
 def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                  max_pages: int, page: int, kv_pages: int) -> list[tuple]:
+                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none") -> list[tuple]:
     """Every buffer of the arena in order: (name, kind, dtype, shape, bytes, values). Weights first (as the
     bundle stores them), then constants, block tables, step values, scratch, and the KV pool last."""
     out: list[tuple] = []
@@ -105,6 +137,12 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
         out.append((name, "step", dtype, (count,), count * (8 if dtype == "u64" else 4), None))
     for name, (dtype, shape, nbytes) in scratch_sizes(spec, rows, logit_rows).items():
         out.append((name, "scratch", dtype, shape, nbytes, None))
+    wg = wgmma_weights(spec, formats)
+    if wg_mode == "copy":
+        out += [(name + ".f16", "scratch", "f16", (n, k), n * k * 2, None) for name, n, k in wg]
+    elif wg_mode == "dequant" and wg:
+        n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
+        out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
         for kv in ("k", "v"):
@@ -114,10 +152,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
 
 
 def fixed_arena_bytes(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                      max_pages: int) -> int:
+                      max_pages: int, wg_mode: str = "none") -> int:
     """Bytes of the arena before the KV pool (the plan gives what is left to KV pages)."""
-    return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0)
-               if e[1] != "kv")
+    return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0,
+                                                    wg_mode) if e[1] != "kv")
 
 
 def rope_variants(spec: ModelSpec) -> list[tuple]:
@@ -158,6 +196,12 @@ def i32(v) -> dict:
     return {"i32": v}
 
 
+def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int) -> dict:
+    """A TMA descriptor argument: buffer `name` as a row-major [rows, cols] matrix of 16-bit `dtype`, read in
+    [box_rows, 64] boxes with the 128-byte swizzle (runtime/cuda_program.py builds it at bind time)."""
+    return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows, "box_cols": 64}}
+
+
 def ev(v, rows: int) -> int:
     """A value at `rows` (reads and writes are counted at the phase's full size)."""
     return evaluate(v, {"rows": rows})
@@ -194,6 +238,8 @@ class ProgramBuilder:
         self.R, self.MB = rows_for(self.chunk, self.max_batch)
         self.sm_count = target["sm_count"]
         self.fa_kt, self.fa_smem = fa_geometry(spec.head_dim)
+        self.wg_mode = t.get("prefill_weights", "none")
+        self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
 
     # ------------------------------------------------------------------ arena
@@ -201,7 +247,8 @@ class ProgramBuilder:
     def layout(self) -> None:
         offset = 0
         for name, kind, dtype, shape, nbytes, values in arena_entries(
-                self.spec, self.formats, self.R, self.MB, self.max_seqs, self.max_pages, self.page, self.kv_pages):
+                self.spec, self.formats, self.R, self.MB, self.max_seqs, self.max_pages, self.page, self.kv_pages,
+                self.wg_mode):
             self.buffers[name] = Buffer(name, offset, int(nbytes), dtype, tuple(int(x) for x in shape), kind, values)
             offset += aligned(nbytes)
         self.arena_bytes = offset
@@ -213,10 +260,44 @@ class ProgramBuilder:
         n, k = self.spec.tensor_shapes()[name]
         return _Lin(name, self.formats[name], n, k)
 
+    def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+        """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
+        operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode)."""
+        m = ev(rows, self.rows_max)
+        if lin.fmt == "nvfp4":
+            wbuf = lin.name + ".f16"
+            if self.wg_mode == "dequant":
+                wbuf = "wdq"
+                self.dequant(e, lin, wbuf)
+            dtype, tscale, unscale = "f16", ptr(lin.name + ".tscale"), F16_NVFP4_UNSCALE
+            reads = [(wbuf, lin.n * lin.k * 2), (lin.name + ".tscale", 4)]
+        else:
+            wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
+            reads = lin.reads()
+        # the wider tile where it still gives every SM a block at the chunk's full size
+        bn = 256 if -(-lin.n // 256) * -(-self.chunk // WG_TILE_M) >= self.sm_count else 128
+        kern = f"gemm_wg{bn}_{dtype}"
+        self.kernel_smem[kern] = wg_smem_bytes(bn)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
+        e.add(kern, (-(-lin.n // bn), sym_rows(ceil_div=WG_TILE_M) if isinstance(rows, dict) else -(-rows // WG_TILE_M)),
+              (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
+                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode)],
+              reads + [(a, m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else []), [(out, m * lin.n * 4)],
+              smem=wg_smem_bytes(bn))
+
+    def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
+        """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2)."""
+        blocks = lin.n * lin.k // BLOCK
+        e.add("dequant_nvfp4_f16", (min(-(-blocks // 256), 8 * self.sm_count),), (256,),
+              [ptr(lin.name + ".codes"), ptr(lin.name + ".scales"), ptr(out), {"u64": blocks}],
+              [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
+
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
                nb: int = 0) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
         GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
+        if self.prefill_phase and self.wg_mode != "none" and lin.name.startswith("layers."):
+            return self.linear_wgmma(e, a, lin, out, rows, mode)
         m = ev(rows, self.rows_max)
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
@@ -316,7 +397,7 @@ class ProgramBuilder:
 
     def decode(self, b: int) -> Phase:
         s = self.spec
-        self.rows_max = b
+        self.rows_max, self.prefill_phase = b, False
         e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
         dec = b <= self.opt.gemv_max_rows
         nb = next((x for x in GEMV_NB if x >= b), 0)
@@ -343,7 +424,7 @@ class ProgramBuilder:
 
     def prefill(self) -> Phase:
         s = self.spec
-        self.rows_max = self.chunk
+        self.rows_max, self.prefill_phase = self.chunk, True
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
@@ -355,6 +436,7 @@ class ProgramBuilder:
                   [("q", self.chunk * s.q_dim * 2)], [("attn", self.chunk * s.q_dim * 2)], smem=self.fa_smem)
 
         self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
+        self.prefill_phase = False
         return Phase("prefill", self.chunk, tuple(e.launches))
 
     def logits(self, rows: int) -> Phase:
@@ -370,8 +452,14 @@ class ProgramBuilder:
     def init(self) -> Phase:
         """Synthetic bundles: every weight generated on the GPU from the seed (templates/synthetic.cu.j2)."""
         e = _Emitter(pdl=False)
-        if self.seed is None:
-            return Phase("init", 0, ())
+        if self.seed is not None:
+            self.synthetic_weights(e)
+        if self.wg_mode == "copy":      # the fp16 copies prefill's wgmma GEMM reads, expanded once at load
+            for name, n, k in wgmma_weights(self.spec, self.formats):
+                self.dequant(e, _Lin(name, "nvfp4", n, k), name + ".f16")
+        return Phase("init", 0, tuple(e.launches))
+
+    def synthetic_weights(self, e: _Emitter) -> None:
         grid, block = (1024,), (256,)
         for idx, name in enumerate(sorted(self.spec.tensor_shapes())):
             shape, fmt = self.spec.tensor_shapes()[name], self.formats[name]
@@ -395,9 +483,9 @@ class ProgramBuilder:
                 val = 0.0 if name.endswith("qkv_bias") else 1.0
                 e.add("fill_f32", grid, block, [ptr(name), {"u64": math.prod(shape)}, {"f32": val}], [],
                       [(name, math.prod(shape) * 4)])
-        return Phase("init", 0, tuple(e.launches))
 
     def build(self) -> Program:
+        self.prefill_phase = False
         self.layout()
         phases = [self.init()]
         phases += [self.decode(b) for b in self.plan["graph_buckets"]]
@@ -409,7 +497,7 @@ class ProgramBuilder:
                   "rows": self.R, "logit_rows": self.MB}
         symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1}
         return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
-                       symbols=symbols, kernel_smem={"attn_prefill_f16": self.fa_smem}, constants=consts,
+                       symbols=symbols, kernel_smem=self.kernel_smem, constants=consts,
                        options=self.opt.to_dict())
 
 

@@ -39,10 +39,10 @@ def fmt_gib(n: float) -> str:
 
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
-                max_context: int | None, max_batch: int) -> dict:
+                max_context: int | None, max_batch: int, prefill_weights: str = "auto") -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/launches.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages."""
-    from impc.launches import fixed_arena_bytes, rows_for
+    from impc.launches import fixed_arena_bytes, prefill_weights_mode, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
     ctx = max_context or min(spec.max_position, 32768)
@@ -64,7 +64,8 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
         chunk = min(t["prefill_chunk"], ctx)
         max_pages = math.ceil(ctx / page)
         rows, logit_rows = rows_for(chunk, max_batch)
-        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages)
+        wg_mode = prefill_weights_mode(spec, formats, t, vram, prefill_weights)
+        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode)
         page_bytes = page * kv_tok
         budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
         pages = max(budget, 0) // page_bytes
@@ -79,7 +80,7 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
         plan["targets"][t["name"]] = {
             "vram_bytes": vram, "page_size": page, "kv_pages": pages, "kv_bytes": pages * page_bytes,
             "kv_tokens": (pages - 1) * page, "prefill_chunk": chunk, "scratch_bytes": fixed - w_bytes,
-            "reserve_bytes": RESERVE_BYTES,
+            "reserve_bytes": RESERVE_BYTES, "prefill_weights": wg_mode,
         }
     return plan
 

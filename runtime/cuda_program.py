@@ -12,7 +12,7 @@ import ctypes
 from dataclasses import dataclass, field
 
 from imp_runtime.cuda_arena import DeviceArena
-from imp_runtime.cuda_driver import Module, check, cu, pdl_attribute
+from imp_runtime.cuda_driver import Module, check, cu, pdl_attribute, tensor_map
 from imp_runtime.program import Launch, Phase, evaluate, symbols_of
 
 _CTYPES = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "f32": ctypes.c_float}
@@ -54,6 +54,9 @@ def bind_launch(x: Launch, module: Module, arena: DeviceArena, env: dict[str, in
             obj = ctypes.c_uint64(base + evaluate(off, env))
             if symbols_of(off):
                 symbolic.append((obj, off, base))
+        elif "tmap" in a:
+            t = a["tmap"]
+            obj = tensor_map(arena.ptr(t["ptr"]), t["dtype"], t["rows"], t["cols"], t["box_rows"], t["box_cols"])
         else:
             (kind, v), = a.items()
             obj = _CTYPES[kind](evaluate(v, env) if kind == "i32" else v)

@@ -91,7 +91,8 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.nd
 
 # ------------------------------------------------------------------ executor
 
-KV_BUDGET_BYTES = 1 << 30          # the pool's cap on the host; numpy's zeroed memory is committed lazily
+KV_BUDGET_BYTES = 1 << 30          # the pool's cap on the host (numpy's zeroed memory is committed lazily
+                                   # unless commit_pool is called: a server does, at load)
 DEFAULT_PAGE_SIZE = 16             # a cpu-only bundle plans no GPU target to take these from
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -136,6 +137,13 @@ class CpuExecutor:
         self._seqs: dict[int, _Sequence] = {}
         self._next = 1
         self._rng = np.random.default_rng()      # rows sampled without a seed
+
+    def commit_pool(self) -> None:
+        """Write the whole KV pool once, so the OS backs every page now. The block manager keeps finished
+        sequences' full pages for the prefix cache and evicts only when no page is free, so a server
+        touches the whole pool sooner or later; committed at load, its resident memory is flat from the
+        start instead of growing for as long as the cache takes to reach every page."""
+        self.kv.fill(0)
 
     # --- sequences: slots and their pages ---
 
@@ -229,6 +237,7 @@ class CpuExecutor:
         t = len(tokens)
         page, offset = slots
         x = w["embed"][tokens] * np.float32(s.embed_scale)
+        rope: dict = {}               # (base, scaling) -> the rows' cos, sin: computed once a forward, not a layer
         for i in range(s.n_layers):
             p = f"layers.{i}."
             # attention
@@ -242,7 +251,10 @@ class CpuExecutor:
             if s.qk_norm:
                 q = rms_norm(q, w[p + "q_norm"], s.norm_eps)
                 k = rms_norm(k, w[p + "k_norm"], s.norm_eps)
-            cos, sin = cos_sin(s, i, pos)
+            key = s.rope_for(i)
+            if key not in rope:
+                rope[key] = cos_sin(s, i, pos)
+            cos, sin = rope[key]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.kv[i, 0, page, offset] = k
             self.kv[i, 1, page, offset] = v

@@ -8,8 +8,9 @@ file). It has two parts:
   launches with grid, block, dynamic shared memory, programmatic dependent launch, the arguments, and the
   bytes each launch reads and writes (per buffer).
 
-An argument is a buffer reference (`{"ptr": name, "offset": v}`, or `{"ptr": null}` for a null pointer)
-or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
+An argument is a buffer reference (`{"ptr": name, "offset": v}`, or `{"ptr": null}` for a null pointer),
+a TMA descriptor over a buffer (`{"tmap": {"ptr", "dtype", "rows", "cols", "box_rows", "box_cols"}}`, built by
+the runtime at bind time, passed by value) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
 symbol `{"sym": name, "mul": a, "ceil_div": d, "add": c}` = ceil(sym * a / d) + c. Decode phases use no
 symbols (their per-step values live in the `step` buffers, so a phase is captured once as a CUDA graph);
 prefill and logits phases use `rows` (tokens in this call), `start` (position of row 0), `slot` (the
@@ -214,6 +215,22 @@ def validate(p: Program, kernels: set[str] | None, max_smem: int | None = None) 
             _check_launch(p, x, env, kernels, max_smem, at, graph=ph.phase == "decode")
 
 
+def _check_tmap(p: Program, t, at: str) -> None:
+    """A TMA descriptor argument: a [rows, cols] 16-bit matrix inside its buffer, boxes the hardware takes."""
+    try:
+        b = p.buffers.get(t["ptr"])
+        rows, cols, box_rows, box_cols = (int(t[k]) for k in ("rows", "cols", "box_rows", "box_cols"))
+        dtype = t["dtype"]
+    except (KeyError, TypeError, ValueError):
+        raise ProgramError(f"{at}: malformed tensor-map argument {t!r}") from None
+    if b is None:
+        raise ProgramError(f"{at}: tensor map over buffer {t.get('ptr')!r}, which the arena lacks")
+    if dtype not in ("f16", "bf16") or rows < 1 or cols < 1 or cols * 2 % 16 or rows * cols * 2 > b.bytes:
+        raise ProgramError(f"{at}: tensor map [{rows}, {cols}] {dtype} does not fit buffer {b.name} ({b.bytes} bytes)")
+    if box_cols * 2 != 128 or not 1 <= box_rows <= 256:
+        raise ProgramError(f"{at}: tensor-map box [{box_rows}, {box_cols}] (needs 64 columns, at most 256 rows)")
+
+
 def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, graph: bool) -> None:
     if kernels is not None and x.kernel not in kernels:
         raise ProgramError(f"{at}: kernel not in the cubin")
@@ -239,6 +256,8 @@ def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, 
             used |= symbols_of(off)
             if not 0 <= evaluate(off, env) < b.bytes:
                 raise ProgramError(f"{at}: pointer {b.name}+{evaluate(off, env)} outside its {b.bytes} bytes")
+        elif "tmap" in a:
+            _check_tmap(p, a["tmap"], at)
         else:
             (kind, v), = a.items()
             if kind not in ("i32", "u32", "u64", "f32"):

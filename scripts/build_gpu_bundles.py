@@ -20,6 +20,8 @@ import os  # noqa: E402
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
         "llama-mixed": "llama"}       # llama-mixed: calibrated, the byte budget keeps some tensors in bf16
+# llama: Hopper prefill expands each NVFP4 weight before its GEMM (--prefill-weights dequant); the others keep
+# the fp16 copies expanded at load (the default for models this small)
 VRAM_GIB = 4
 SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "examples/gemma3-hd256.json"}
 TARGET = os.environ.get("IMP_GPU_TARGET", "sm_90a")
@@ -38,7 +40,8 @@ def build(names: list[str]) -> None:
                 compile_model(CompileOptions(model=str(ck), out=out, quant="nvfp4", targets=TARGET, max_batch=64,
                                              vram_gib=VRAM_GIB, calibrate=name.endswith("-mixed"),
                                              quant_embed=name.endswith("-qe"),
-                                             quant_head=name.endswith("-qe")))
+                                             quant_head=name.endswith("-qe"),
+                                             prefill_weights="dequant" if name == "llama" else "auto"))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB), seed=1)

@@ -151,6 +151,8 @@ def dot_rel(got, ref, a, w, base=None) -> float:
 def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict) -> None:
     """A GEMV or GEMM launch: out[m, N] (= | +=) a[m, K] @ W^T, with the activation format it reads."""
     from imp_runtime.activation_formats import gfmt, xfmt
+    if x.kernel.startswith("gemm_wg"):
+        return check_wgmma(ex, phase, tokens, index, x, m, rng, env)
     fmt = "nvfp4" if "nvfp4" in x.kernel else "bf16"
     nw = 3 if fmt == "nvfp4" else 1
     a_name, out = buf(x, 0), buf(x, 1 + nw)
@@ -161,6 +163,42 @@ def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: d
         n, k, mode = scalar(x, 3 + nw), scalar(x, 4 + nw), scalar(x, 5 + nw)
         afmt, tol = gfmt(fmt), TOL
     wref = random_weights(ex, x, list(range(1, 1 + nw)), n, k, rng, tiny_rows=min(40, n // 4))
+    check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref)
+
+
+def check_wgmma(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict) -> None:
+    """The Hopper prefill GEMM (TMA + wgmma): its operands are tensor maps; NVFP4 weights reach it as the
+    fp16 expansion that dequant_nvfp4_f16 writes, at load (the init phase) or just before it."""
+    from imp_runtime.activation_formats import gfmt
+    from impc.quantize import quantize_nvfp4
+    a_name, w_name, out = x.args[0]["tmap"]["ptr"], x.args[1]["tmap"]["ptr"], buf(x, 2)
+    n, k, mode = scalar(x, 6), scalar(x, 7), scalar(x, 8)
+    if x.kernel.endswith("_f16"):
+        lin = buf(x, 3)[:-len(".tscale")]
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+        w[:min(40, n // 4)] *= 1e-4
+        q = quantize_nvfp4(w)
+        for suffix, arr in (("codes", q.codes), ("scales", q.scales), ("tscale", q.tscale)):
+            put(ex, f"{lin}.{suffix}", arr)
+        wref = q.dequantize()
+        poison(ex, w_name)
+        expand = [(ph, i) for ph, launches in (("init", ex.program.phase("init", 0).launches),
+                                                (phase, ex.program.phase(phase, tokens).launches[:index]))
+                  for i, y in enumerate(launches) if y.kernel == "dequant_nvfp4_f16" and buf(y, 2) == w_name
+                  and buf(y, 0) == lin + ".codes"]
+        assert expand, f"no launch expands {lin} into {w_name}"
+        ph, i = expand[-1]
+        ex.run_launch(ph, 0 if ph == "init" else tokens, i, env)
+        afmt = gfmt("nvfp4")
+    else:
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+        put(ex, w_name, bf16_bits(w))
+        wref = bf16_round(w)
+        afmt = gfmt("bf16")
+    check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, TOL, wref)
+
+
+def check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref) -> None:
     a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
     a = put_activation(ex, a_name, a, afmt)
     ref = a.astype(np.float64) @ wref.T.astype(np.float64)

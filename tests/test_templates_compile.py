@@ -11,6 +11,8 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "r
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
             "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "gemm_nvfp4_f16",
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)]]
+# Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
+EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (128, 256) for t in ("f16", "bf16")]]
 
 SHAPES = {
     "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
@@ -51,9 +53,17 @@ def test_templates_compile(shape, target):
     src = render(spec, t, {})
     cubin, _cached = compile_cubin(src, t, nv, ver)
     symbols = kernel_symbols(cubin)
-    assert symbols == set(EXPECTED)
+    assert symbols == set(EXPECTED) | (set(EXPECTED_SM90) if target == "sm_90a" else set())
     formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
                for n, s in spec.tensor_shapes().items()}
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
     prog = build_program(spec, formats, t, plan, ProgramOptions(), symbols)
-    assert {x.kernel for ph in prog.phases for x in ph.launches} <= symbols
+    launched = {x.kernel for ph in prog.phases for x in ph.launches}
+    assert launched <= symbols
+    # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does
+    prefill = {x.kernel for x in prog.phase("prefill", prog.constants["prefill_chunk"]).launches}
+    if target == "sm_90a":
+        assert any(k.startswith("gemm_wg") for k in prefill) and "gemm_nvfp4_f16" not in prefill
+        assert "dequant_nvfp4_f16" in {x.kernel for x in prog.phase("init", 0).launches}
+    else:
+        assert not any(k.startswith("gemm_wg") for k in launched)

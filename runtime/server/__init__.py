@@ -9,7 +9,11 @@ def build_app(bundle_path, device: str = "auto", api_key: str | None = None, lim
     """Load a bundle and return (starlette app, service)."""
     from imp_runtime.engine import Engine
 
-    svc = Service(Engine(bundle_path, device=device), api_key=api_key, limits=limits)
+    engine = Engine(bundle_path, device=device)
+    commit = getattr(engine.executor, "commit_pool", None)
+    if commit is not None:            # the cpu executor: its KV pool resident from the start (a steady RSS)
+        commit()
+    svc = Service(engine, api_key=api_key, limits=limits)
     return create_app(svc), svc
 
 

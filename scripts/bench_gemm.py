@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""The prefill GEMMs of a bundle, alone: correctness against torch and TFLOP/s next to torch.matmul (bf16,
+cuBLAS) on the same shapes in the same process. Needs torch with CUDA (the GPU machine has it).
+
+For every linear shape of the model (qkv, o, gate_up, down) at each M: the wgmma GEMM (templates/
+gemm_wgmma.cu.j2) on fp16 operands, the NVFP4 -> fp16 expansion it runs before (dequant_nvfp4_f16), the
+mma.sync GEMM it replaces (gemm_nvfp4_f16, templates/gemm.cu.j2), and cuBLAS bf16. Medians of --runs timed
+repetitions (CUDA events). Checks first: the expansion against runtime/nvfp4.py's exact dequantization, and
+each wgmma tile shape against torch's float32 product (ragged M, K not a multiple of 64, mode 1 adds).
+
+Usage: scripts/bench_gemm.py BUNDLE [--m 512,4096] [--runs 5] [--cubin FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from cuda.bindings import driver as cu  # noqa: E402
+
+from imp_runtime.cuda_driver import Module, check, tensor_map  # noqa: E402
+from imp_runtime.nvfp4 import dequantize  # noqa: E402
+
+WG_SMEM = {128: 6 * (128 + 128) * 64 * 2 + 1024 + 256, 256: 4 * (128 + 256) * 64 * 2 + 1024 + 256}
+
+
+def launch(mod: Module, name: str, grid, block, smem: int, args: list, stream) -> None:
+    vals = []
+    for a in args:
+        if isinstance(a, ctypes.Array) or isinstance(a, ctypes._SimpleCData):
+            vals.append(a)
+        elif isinstance(a, float):
+            vals.append(ctypes.c_float(a))
+        elif isinstance(a, torch.Tensor):
+            vals.append(ctypes.c_uint64(a.data_ptr()))
+        elif a is None:
+            vals.append(ctypes.c_uint64(0))
+        else:
+            vals.append(ctypes.c_int32(a))
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    check(cu.cuLaunchKernel(mod.func(name), *grid, *block, smem, stream, ctypes.addressof(params), 0))
+
+
+def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn: int, mode: int = 0, tscale=None,
+            unscale: float = 1.0, stream=0) -> None:
+    m, k = a.shape
+    n = w.shape[0]
+    dt = "f16" if a.dtype == torch.float16 else "bf16"
+    ta = tensor_map(a.data_ptr(), dt, m, k, 128, 64)
+    tw = tensor_map(w.data_ptr(), dt, n, k, bn, 64)
+    launch(mod, f"gemm_wg{bn}_{dt}", ((n + bn - 1) // bn, (m + 127) // 128, 1), (384, 1, 1), WG_SMEM[bn],
+           [ta, tw, c, tscale, float(unscale), m, n, k, mode], stream)
+
+
+def timed(fn, runs: int) -> float:
+    """Median milliseconds of fn() over `runs` timed repetitions (after a warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(runs):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(e0.elapsed_time(e1))
+    return statistics.median(out)
+
+
+def checks(mod, stream) -> list[str]:
+    fails = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # NVFP4 expansion against the exact numpy dequantization (tscale 1): fp16 holds q * s * 2^-14.
+    n, k = 256, 4096
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    scales = torch.randint(0x08, 0x78, (n, k // 16), dtype=torch.uint8, device="cuda", generator=g)
+    out = torch.empty((n, k), dtype=torch.float16, device="cuda")
+    launch(mod, "dequant_nvfp4_f16", (64, 1, 1), (256, 1, 1), 0, [codes, scales, out, ctypes.c_uint64(n * k // 16)], stream)
+    torch.cuda.synchronize()
+    ref = dequantize(codes.cpu().numpy(), scales.cpu().numpy(), 1.0, k)
+    got = out.float().cpu().numpy() * 2.0 ** 14
+    if not np.array_equal(got, ref):
+        fails.append(f"dequant_nvfp4_f16: {int((got != ref).sum())} of {got.size} values differ")
+    for dt in (torch.float16, torch.bfloat16):
+        for bn in (128, 256):
+            for (m, n, k) in ((300, 1000, 200), (128, 256, 64), (513, 768, 1000), (64, 4096, 4096)):
+                a = (torch.randn((m, k), generator=g, device="cuda") * 0.5).to(dt)
+                w = (torch.randn((n, k), generator=g, device="cuda") * 0.5).to(dt)
+                c = torch.full((m, n), 3.0, device="cuda")
+                wg_gemm(mod, a, w, c, bn, mode=1, unscale=0.5, stream=stream)
+                torch.cuda.synchronize()
+                ref = 3.0 + 0.5 * (a.double() @ w.double().T)
+                scale = a.double().abs() @ w.double().abs().T       # the magnitude rounding errors live on
+                err = ((c.double() - ref).abs() / (0.5 * scale + 3.0)).max().item()
+                if not err < 1e-5:
+                    fails.append(f"gemm_wg{bn} {dt} m={m} n={n} k={k} mode 1: max rel err {err:.2e}")
+                c2 = torch.empty((m, n), device="cuda")
+                wg_gemm(mod, a, w, c2, bn, mode=0, unscale=1.0, stream=stream)
+                torch.cuda.synchronize()
+                err = ((c2.double() - (ref - 3.0) / 0.5).abs() / scale).max().item()
+                if not err < 1e-5:
+                    fails.append(f"gemm_wg{bn} {dt} m={m} n={n} k={k} mode 0: max rel err {err:.2e}")
+    return fails
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--cubin", help="use this cubin instead of the bundle's")
+    ap.add_argument("--m", default="128,512,2048,4096")
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    bundle = Path(args.bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    cubin = Path(args.cubin) if args.cubin else bundle / manifest["kernels"]["cubins"]["sm_90a"]
+    mod = Module(cubin.read_bytes())
+    for bn, smem in WG_SMEM.items():
+        for dt in ("f16", "bf16"):
+            mod.set_max_dynamic_smem(f"gemm_wg{bn}_{dt}", smem)
+    stream = torch.cuda.current_stream().cuda_stream
+    fails = checks(mod, stream)
+    for f in fails:
+        print("FAIL", f)
+    print(f"checks: {'all passed' if not fails else f'{len(fails)} failed'}")
+    shapes = {}
+    for name, t in manifest["quantization"]["tensors"].items():
+        if name.startswith("layers.0.") and t["format"] == "nvfp4":
+            shapes[name.split(".")[-1]] = tuple(t["shape"])
+    rows = []
+    for m in (int(x) for x in args.m.split(",")):
+        for name, (n, k) in shapes.items():
+            a16 = (torch.randn((m, k), device="cuda") * 0.5).half()
+            w16 = (torch.randn((n, k), device="cuda") * 0.5).half()
+            ab, wb = a16.bfloat16(), w16.bfloat16()
+            c = torch.empty((m, n), device="cuda")
+            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+            scales = torch.randint(0x30, 0x38, (n, k // 16), dtype=torch.uint8, device="cuda")
+            ts = torch.ones(1, device="cuda")
+            flop = 2.0 * m * n * k
+            res = {"gemm": name, "M": m, "N": n, "K": k}
+            for bn in (128, 256):
+                ms = timed(lambda: wg_gemm(mod, a16, w16, c, bn, stream=stream), args.runs)
+                res[f"wg{bn}_ms"], res[f"wg{bn}_tflops"] = ms, flop / ms / 1e9
+            ms = timed(lambda: launch(mod, "dequant_nvfp4_f16", (132 * 8, 1, 1), (256, 1, 1), 0,
+                                      [codes, scales, w16, ctypes.c_uint64(n * k // 16)], stream), args.runs)
+            res["dequant_ms"], res["dequant_gbs"] = ms, (n * k * (0.5 + 1 / 16 + 2)) / ms / 1e6
+            ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
+                                      [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)
+            res["mma_sync_ms"], res["mma_sync_tflops"] = ms, flop / ms / 1e9
+            ms = timed(lambda: torch.matmul(ab, wb.T), args.runs)
+            res["cublas_ms"], res["cublas_tflops"] = ms, flop / ms / 1e9
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+    print("\n| GEMM | M | N | K | wgmma 128 | wgmma 256 | dequant (GB/s) | mma.sync (today) | cuBLAS bf16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['gemm']} | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | "
+              f"{r['dequant_ms'] * 1e3:.0f} us ({r['dequant_gbs']:.0f}) | {r['mma_sync_tflops']:.0f} | "
+              f"{r['cublas_tflops']:.0f} |")
+    print("(TFLOP/s; medians of", args.runs, "runs)")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
