@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -109,21 +110,57 @@ class SensitivityMeter:
         return float(np.mean(np.sum(self.ref_p * (self.ref_logp - logp), axis=-1)))     # = mean_kl
 
 
+class BackgroundMeasurements:
+    """Sensitivities measured on worker threads while the caller goes on: submit() each tensor as soon as
+    its quantized values exist; at most `beside` measurements run at once until more_cores() (the
+    caller's own work is done), then up to `after`. A context manager: leaving it cancels what has not
+    started (after an error) and waits for what has."""
+
+    def __init__(self, meter: SensitivityMeter, beside: int = 1, after: int = min(2, os.cpu_count() or 1)):
+        self.meter = meter
+        self.after = max(after, beside)
+        self.slots = threading.Semaphore(beside)
+        self.extra = self.after - beside
+        self.pool = ThreadPoolExecutor(max_workers=self.after)
+        self.pending: dict[str, Future] = {}
+
+    def __enter__(self) -> "BackgroundMeasurements":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _measure(self, name: str, values: np.ndarray) -> float:
+        with self.slots:
+            return self.meter.measure(name, values)
+
+    def submit(self, name: str, values: np.ndarray) -> None:
+        self.pending[name] = self.pool.submit(self._measure, name, values)
+
+    def more_cores(self) -> None:
+        for _ in range(self.extra):
+            self.slots.release()
+        self.extra = 0
+
+    def results(self, names: list[str], progress: Progress | None = None) -> dict[str, float]:
+        self.more_cores()
+        p = progress or Progress(quiet=True)
+        out = {}
+        for n, name in enumerate(names, 1):
+            out[name] = self.pending[name].result()
+            p.count("tensors measured", n, len(names))
+        return out
+
+
 def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
                         chunks: np.ndarray, progress: Progress | None = None,
                         threads: int = min(2, os.cpu_count() or 1)) -> dict[str, float]:
     """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor.
     (The compiler overlaps these with the GPTQ pass instead: quantize_calibrated.py.)"""
-    p = progress or Progress(quiet=True)
-    meter = SensitivityMeter(spec, reference, chunks)
-    # Each measurement is independent and numpy releases the GIL in its matrix products and loops, so
-    # threads use the cores.
-    out: dict[str, float] = {}
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for n, (name, kl) in enumerate(zip(quantized, pool.map(lambda t: meter.measure(t, quantized[t]), quantized)), 1):
-            out[name] = kl
-            p.count("tensors measured", n, len(quantized))
-    return out
+    with BackgroundMeasurements(SensitivityMeter(spec, reference, chunks), threads, threads) as bg:
+        for name, values in quantized.items():
+            bg.submit(name, values)
+        return bg.results(list(quantized), progress)
 
 
 def choose_formats(spec: ModelSpec, formats: Mapping[str, str], budget: Budget,

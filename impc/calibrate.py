@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -112,10 +112,12 @@ def relative_output_error(w: np.ndarray, error: float, hessian: np.ndarray) -> f
 
 
 def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mapping[str, str],
-              calib: CalibrationSet, progress: Progress | None = None) -> CalibratedModel:
+              calib: CalibrationSet, progress: Progress | None = None,
+              on_quantized: Callable[[str, np.ndarray], None] | None = None) -> CalibratedModel:
     """GPTQ every NVFP4 linear of the layers (and an NVFP4 untied head) on the calibration chunks,
     sequentially. weights hold float32 values: the checkpoint's for NVFP4 tensors, the stored values
-    for the others (bf16-rounded where bf16)."""
+    for the others (bf16-rounded where bf16). on_quantized(name, dequantized values) is called as each
+    tensor is done (the byte budget measures it meanwhile)."""
     p = progress or Progress(quiet=True)
     out = CalibratedModel({})
 
@@ -128,6 +130,8 @@ def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mappi
         deq = res.tensor.dequantize()
         out.tensors[name] = res.tensor
         out.output_error[name] = relative_output_error(w, res.weighted_error, h)
+        if on_quantized:
+            on_quantized(name, deq)
         return deq
 
     x = embed(spec, weights["embed"], calib.chunks)

@@ -8,12 +8,13 @@ compile.quantize_stage, which stores each tensor in its chosen format.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
-from impc.budget import candidates, choose_formats, measure_sensitivity, parse_budget, sensitivity_chunks
+from impc.budget import BackgroundMeasurements, SensitivityMeter, candidates, choose_formats, parse_budget, sensitivity_chunks
 from impc.calibrate import CHUNK_TOKENS, calibrate, calibration_set
 from impc.errors import CompileError
 from impc.gptq import DAMP
@@ -77,21 +78,29 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
             stored[name] = quantize_nvfp4(w, opts.scale_search).dequantize()
         else:
             stored[name] = w
-    t0 = time.perf_counter()
-    cal = calibrate(spec, stored, formats, calib, p)
-    p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; relative output "
-           f"error on the calibration data: mean {_mean(cal.output_error):.4f}")
-
+    # The budget's sensitivity of a tensor needs only that tensor's GPTQ result, so it is measured on a
+    # second thread while GPTQ (sequential by nature) goes on with the next layers; once GPTQ is done,
+    # two threads measure. Each value is computed the same way on either thread.
     cands = candidates(formats)
     sensitivity: dict[str, float] = {}
-    if budget.bytes_for(base_bytes) > base_bytes and cands:
+    with ExitStack() as stack:
+        bg = None
+        if budget.bytes_for(base_bytes) > base_bytes and cands:
+            reference = {name: (bf16_values(w) if name in cands else stored[name]) for name, w in weights.items()}
+            if formats["embed"] == "nvfp4":
+                reference["embed"] = bf16_values(weights["embed"])
+            bg = stack.enter_context(BackgroundMeasurements(
+                SensitivityMeter(spec, reference, sensitivity_chunks(calib.chunks))))
         t0 = time.perf_counter()
-        reference = {name: (bf16_values(w) if name in cands else stored[name]) for name, w in weights.items()}
-        if formats["embed"] == "nvfp4":
-            reference["embed"] = bf16_values(weights["embed"])
-        sensitivity = measure_sensitivity(spec, reference, {t: cal.tensors[t].dequantize() for t in cands},
-                                          sensitivity_chunks(calib.chunks), p)
-        p.info(f"sensitivity of {len(cands)} tensors: {time.perf_counter() - t0:.1f} s")
+        cal = calibrate(spec, stored, formats, calib, p,
+                        (lambda name, values: bg.submit(name, values) if name in cands else None) if bg else None)
+        p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; relative "
+               f"output error on the calibration data: mean {_mean(cal.output_error):.4f}")
+        if bg:
+            t0 = time.perf_counter()
+            sensitivity = bg.results(cands, p)
+            p.info(f"sensitivity of {len(cands)} tensors (measured alongside GPTQ): {time.perf_counter() - t0:.1f} s "
+                   "more after it")
     choice = choose_formats(spec, formats, budget, sensitivity)
     p.info(f"budget {budget}: {len(choice.widened)} of {len(cands)} tensors kept in bf16, weights "
            f"{choice.weights_bytes / GiB:.3f} GiB of {choice.budget_bytes / GiB:.3f} "
