@@ -80,6 +80,7 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     # (H = R R^T) instead of the inverse's factor. Transposed, so that a column of W is a contiguous row:
     # [Kp, N] for W, its grid steps, codes and errors.
     rs = r / np.diag(r)[None, :]
+    rst = np.ascontiguousarray(rs.T)
     wt = np.ascontiguousarray(w.T)
     dt = np.zeros_like(wt)
     inv_step = np.where(step > 0, 1.0 / np.where(step > 0, step, 1.0), 0.0)
@@ -88,14 +89,13 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
         wb = wt[i1:i2] + rs[:i1, i1:i2].T @ dt[:i1]     # the earlier blocks' feedback as one product
-        for j in range(i2 - i1):
-            c = i1 + j
-            q = e2m1_codes(wb[j] * inv_step[c])            # a zero step (all-zero block) gives code 0
+        for c in range(i1, i2):
+            x = wb[c - i1] + rst[c, i1:c] @ dt[i1:c]        # + this block's earlier columns' (one gemv)
+            q = e2m1_codes(x * inv_step[c])                  # a zero step (all-zero block) gives code 0
             codes[c] = q
             deq = E2M1_VALUES[q] * step[c]
             dt[c] = wt[c] - deq
-            residual[c] = wb[j] - deq
-            wb[j + 1:] += rs[c, c + 1:i2, None] * dt[c]
+            residual[c] = x - deq
     codes = np.ascontiguousarray(codes[np.argsort(order)].T)
     # GPTQ's own loss is the weighted error for free: with D = W - Q, D R's column c is R_cc times the
     # rounding error of column c as the loop saw it, and ||D R||^2 = tr(D H_damped D^T); removing the

@@ -125,6 +125,51 @@ def test_calibration_beats_rounding_on_text_it_did_not_see(checkpoints, texts, t
                for n, e in m["tensors"].items() if n.startswith("layers.") and "norm" not in n)
 
 
+# ------------------------------------------------------------------ GPTQ's pieces
+
+def test_e2m1_codes_equal_round_to_nearest_even():
+    """The comparison-counting rounding GPTQ uses against quantize.round_e2m1 (searchsorted on the
+    decision points) and against hand-written codes at every tie and around it."""
+    from impc.gptq import e2m1_codes
+    from impc.quantize import round_e2m1
+
+    # ties: .25 -> 0 (code 0), .75 -> 1 (2), 1.25 -> 1 (2), 1.75 -> 2 (4), 2.5 -> 2 (4), 3.5 -> 4 (6), 5 -> 4 (6)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 0.0])
+    assert e2m1_codes(ties).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 0]
+    assert e2m1_codes(-ties).tolist() == [8, 10, 10, 12, 12, 14, 14, 15, 15, 0]
+    rng = np.random.default_rng(0)
+    x = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 9), rng.standard_normal(20000) * 3,
+                        rng.integers(-60, 60, 2000) / 8.0])
+    x = np.concatenate([x, -x])
+    assert np.array_equal(e2m1_codes(x), round_e2m1(x))
+
+
+def test_gptq_over_several_lazy_blocks_matches_float64_reference_and_reports_its_error():
+    """K spanning three lazy blocks (the earlier blocks' feedback as one product, within a block one
+    column at a time): the same values as the paper's update written in float64 (tests/test_quantize.py's
+    reference); and, with padding and a dead channel too, the weighted error it reports is tr(D H D^T)
+    of its result."""
+    from impc.gptq import DAMP, LAZY_BLOCK, gptq_nvfp4_with_error
+    from tests.test_quantize import correlated_inputs, reference_gptq
+
+    rng = np.random.default_rng(11)
+    n, k = 10, 2 * LAZY_BLOCK + 48
+    x = correlated_inputs(rng, 600, k)
+    h = x.T @ x
+    w = rng.standard_normal((n, k))
+    res = gptq_nvfp4_with_error(w, h, act_order=True, scale_search=False)
+    order = sorted(range(k), key=lambda j: (-h[j, j], j))
+    np.testing.assert_allclose(res.tensor.dequantize(), reference_gptq(w, h, DAMP, order), rtol=2e-7, atol=0)
+    for kk, dead in ((k, None), (k - 9, 7)):            # k - 9: padded to a multiple of 16
+        xx = x[:, :kk].copy()
+        if dead is not None:
+            xx[:, dead] = 0.0
+        hh, ww = xx.T @ xx, w[:, :kk]
+        res = gptq_nvfp4_with_error(ww, hh)
+        d = ww - res.tensor.dequantize()
+        assert res.weighted_error == pytest.approx(float(np.trace(d @ hh @ d.T)), rel=1e-6)
+
+
 # ------------------------------------------------------------------ the byte budget
 
 def tiny_spec():
@@ -216,6 +261,35 @@ def test_budget_bundle_stores_its_choice_within_the_budget(budget_bundle, checkp
     # the most sensitive tensor per extra byte is among the widened
     tensors = m["quantization"]["tensors"]
     assert all("kl_alone" in tensors[n] for n in widened)
+
+
+def test_budget_sensitivities_are_each_tensors_kl_alone(budget_bundle, bundles, checkpoints, texts):
+    """The KLs the budget measured (on worker threads, alongside GPTQ), recomputed from scratch in
+    float64: the bf16 bundle with only that tensor replaced by the calibrated bundle's stored NVFP4
+    values, over the same calibration tokens."""
+    from impc.budget import sensitivity_chunks
+    from impc.checkpoint import load_checkpoint
+    from impc.forward import mean_kl
+
+    m = json.loads((budget_bundle / "manifest.json").read_text())["quantization"]["tensors"]
+    ck = load_checkpoint(str(checkpoints("llama")))
+    info = {**ck.special_tokens, "eos_token_ids": ck.eos_token_ids, "add_bos": ck.add_bos}
+    chunks = sensitivity_chunks(calibration_set(ck.tokenizer_json, info, ck.chat_template, str(texts["calib"])).chunks)
+    ref = load_bundle(bundles("llama", "bf16"))
+    ref_w, got_w = ref.float_weights(), load_bundle(budget_bundle).float_weights()
+
+    def run(w):
+        x = embed(ref.spec, w["embed"], chunks)
+        for i in range(ref.spec.n_layers):
+            x = layer_forward(ref.spec, i, layer_weights(w, i), x)
+        return log_probs(ref.spec, w, x)
+
+    ref_logp = run(ref_w)
+    kept = [n for n, e in m.items() if e["format"] == "nvfp4" and "kl_alone" in e]
+    assert len(kept) >= 4
+    for name in kept[:2] + kept[-2:]:                  # first and last layers
+        kl = mean_kl(ref_logp, run({**ref_w, name: got_w[name]}))
+        assert m[name]["kl_alone"] == pytest.approx(kl, rel=2e-3, abs=2e-6), name
 
 
 def test_budget_bundle_runs_on_cpu_executor_like_transformers(budget_bundle, checkpoints):
