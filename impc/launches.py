@@ -163,10 +163,12 @@ def rope_variants(spec: ModelSpec) -> list[tuple]:
     return list(dict.fromkeys(spec.rope_for(i) for i in range(spec.n_layers)))
 
 
-def fa_geometry(head_dim: int) -> tuple[int, int]:
-    """(key tile, dynamic shared memory) of attn_prefill_f16 (templates/attn_prefill.cu.j2)."""
-    kt = 64 if head_dim <= 128 else 32
-    return kt, (64 * (head_dim + 8) + kt * (head_dim + 8) + head_dim * (kt + 8)) * 2
+def fa_geometry(head_dim: int) -> tuple[int, int, int]:
+    """(threads, query rows, dynamic shared memory) of a block of attn_prefill_f16 (templates/attn_prefill.cu.j2):
+    warps of 16 query rows, two double-buffered K and V tiles (or the Q tile, whichever is larger)."""
+    warps, kt = (8, 64) if head_dim <= 128 else (4, 32)
+    qt, ld = 16 * warps, head_dim + 8
+    return 32 * warps, qt, max(qt * ld, 4 * kt * ld) * 2
 
 
 @dataclass
@@ -237,7 +239,7 @@ class ProgramBuilder:
         self.max_seqs = plan["max_sequences"]
         self.R, self.MB = rows_for(self.chunk, self.max_batch)
         self.sm_count = target["sm_count"]
-        self.fa_kt, self.fa_smem = fa_geometry(spec.head_dim)
+        self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim)
         self.wg_mode = t.get("prefill_weights", "none")
         self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
@@ -260,10 +262,16 @@ class ProgramBuilder:
         n, k = self.spec.tensor_shapes()[name]
         return _Lin(name, self.formats[name], n, k)
 
+    def gated_wgmma(self, lin: _Lin) -> bool:
+        """gate_up in prefill on Hopper from an expanded NVFP4 copy: the GEMM's epilogue applies act(gate) * up."""
+        return self.prefill_phase and self.wg_mode != "none" and lin.fmt == "nvfp4"
+
     def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
         """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
-        operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode)."""
+        operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
+        Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations."""
         m = ev(rows, self.rows_max)
+        out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
         if lin.fmt == "nvfp4":
             wbuf = lin.name + ".f16"
             if self.wg_mode == "dequant":
@@ -282,14 +290,17 @@ class ProgramBuilder:
         e.add(kern, (-(-lin.n // bn), sym_rows(ceil_div=WG_TILE_M) if isinstance(rows, dict) else -(-rows // WG_TILE_M)),
               (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
                        {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode)],
-              reads + [(a, m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else []), [(out, m * lin.n * 4)],
+              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []), [(out, out_bytes)],
               smem=wg_smem_bytes(bn))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
-        """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2)."""
+        """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's
+        rows interleaved in groups of 8 for the gated epilogue."""
         blocks = lin.n * lin.k // BLOCK
+        interleave = lin.n // 2 if lin.name.endswith(".gate_up") else 0
         e.add("dequant_nvfp4_f16", (min(-(-blocks // 256), 8 * self.sm_count),), (256,),
-              [ptr(lin.name + ".codes"), ptr(lin.name + ".scales"), ptr(out), {"u64": blocks}],
+              [ptr(lin.name + ".codes"), ptr(lin.name + ".scales"), ptr(out), {"u64": blocks}, i32(lin.k // BLOCK),
+               i32(interleave)],
               [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
 
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
@@ -370,6 +381,8 @@ class ProgramBuilder:
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
                        i32(ofmt)],
                       gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
+            elif self.gated_wgmma(gate_up):
+                self.linear_wgmma(e, "hb", gate_up, "ab", rows, 2 if gfmt(down.fmt) == XF_F16 else 3)
             else:
                 self.linear(e, "hb", gate_up, "gu", rows, 0, False, split_k)
                 e.add("act_gated_x", ((s.intermediate + 255) // 256, rows), (256,),
@@ -430,7 +443,7 @@ class ProgramBuilder:
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            e.add("attn_prefill_f16", (sym_rows(ceil_div=64), s.n_heads), (128,),
+            e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt)), (self.fa_threads,),
                   [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row), i32({"sym": "start"}),
                    i32(ROWS), i32(window), ptr("attn"), i32(ofmt)],
                   [("q", self.chunk * s.q_dim * 2)], [("attn", self.chunk * s.q_dim * 2)], smem=self.fa_smem)

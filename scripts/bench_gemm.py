@@ -84,7 +84,7 @@ def checks(mod, stream) -> list[str]:
     codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
     scales = torch.randint(0x08, 0x78, (n, k // 16), dtype=torch.uint8, device="cuda", generator=g)
     out = torch.empty((n, k), dtype=torch.float16, device="cuda")
-    launch(mod, "dequant_nvfp4_f16", (64, 1, 1), (256, 1, 1), 0, [codes, scales, out, ctypes.c_uint64(n * k // 16)], stream)
+    launch(mod, "dequant_nvfp4_f16", (64, 1, 1), (256, 1, 1), 0, [codes, scales, out, ctypes.c_uint64(n * k // 16), k // 16, 0], stream)
     torch.cuda.synchronize()
     ref = dequantize(codes.cpu().numpy(), scales.cpu().numpy(), 1.0, k)
     got = out.float().cpu().numpy() * 2.0 ** 14
@@ -153,7 +153,7 @@ def main() -> int:
                 ms = timed(lambda: wg_gemm(mod, a16, w16, c, bn, stream=stream), args.runs)
                 res[f"wg{bn}_ms"], res[f"wg{bn}_tflops"] = ms, flop / ms / 1e9
             ms = timed(lambda: launch(mod, "dequant_nvfp4_f16", (132 * 8, 1, 1), (256, 1, 1), 0,
-                                      [codes, scales, w16, ctypes.c_uint64(n * k // 16)], stream), args.runs)
+                                      [codes, scales, w16, ctypes.c_uint64(n * k // 16), k // 16, 0], stream), args.runs)
             res["dequant_ms"], res["dequant_gbs"] = ms, (n * k * (0.5 + 1 / 16 + 2)) / ms / 1e6
             ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
                                       [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)

@@ -50,7 +50,8 @@ def main() -> int:
     n = a.tokens if a.phase == "decode" else 1
     seqs = [SoloSequence(ex, blocks) for _ in range(n)]
     for s in seqs:
-        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
+        if a.context:
+            s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
         s._cover(s.length + a.tokens + 1)
     if a.phase == "decode":
         ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])        # the step values of a real step

@@ -190,12 +190,39 @@ def check_wgmma(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: di
         ph, i = expand[-1]
         ex.run_launch(ph, 0 if ph == "init" else tokens, i, env)
         afmt = gfmt("nvfp4")
+        if mode >= 2:
+            return check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, afmt, wref)
     else:
         w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
         put(ex, w_name, bf16_bits(w))
         wref = bf16_round(w)
         afmt = gfmt("bf16")
     check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, TOL, wref)
+
+
+def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, afmt, wref) -> None:
+    """gate_up with act(gate) * up in the GEMM's epilogue (modes 2, 3): the down projection's activation,
+    against executor_cpu.gated_act of the float64 product. Each element is held to the rounding its inputs
+    carry: the products' magnitudes sum_k |a w| of its gate (times |act'| <= 1.13 and |up|) and of its up
+    (times |act(gate)|), plus the 16-bit output's own rounding (XF_F16 holds v * 2^-6: below 2^-8, v lands in
+    fp16's subnormals, an absolute step of 2^-19)."""
+    from imp_runtime.activation_formats import XF_BF16, XF_F16
+    from imp_runtime.executor_cpu import gated_act, gelu_tanh, silu
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 3, (1, k)) / np.sqrt(k)).astype(np.float32)
+    a = put_activation(ex, a_name, a, afmt)
+    gu = a.astype(np.float64) @ wref.T.astype(np.float64)
+    ref = gated_act(gu, ex.spec.activation)
+    poison(ex, out)
+    run(ex, phase, tokens, index, **env)
+    inter = n // 2
+    got = activation(ex, out, m, inter, XF_F16 if mode == 2 else XF_BF16)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(wref.astype(np.float64)).T
+    act = silu if ex.spec.activation == "silu" else gelu_tanh
+    bound = 1.13 * np.abs(gu[:, inter:]) * scale[:, :inter] + np.abs(act(gu[:, :inter])) * scale[:, inter:]
+    ulp = 2.0 ** (-10 if mode == 2 else -7)
+    err = np.abs(got - ref) - ulp * np.abs(ref) - (2.0 ** -19 if mode == 2 else 0.0)
+    worst = float(np.max(err / np.maximum(bound, 1e-30)))
+    assert worst <= TOL, f"gated gate_up, {m} rows: error {worst:.2e} of the inputs' rounding scale"
 
 
 def check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref) -> None:
@@ -279,14 +306,18 @@ def test_decode_gemv_gated(ex, b):
 
 
 def test_act(ex):
-    """act_gated_x (prefill): the down projection's GEMM input."""
+    """act_gated_x (prefill without the gated GEMM epilogue; decode above the GEMV rows): the down projection's input."""
     from imp_runtime.executor_cpu import gated_act
-    i, x = find(ex, "prefill", ex.prefill_chunk, "act_gated_x")
+    hits = [(p, t, i, x) for p, t in (("prefill", ex.prefill_chunk), ("decode", ex.decode_buckets[-1]))
+            for i, x in enumerate(ex.program.phase(p, t).launches) if x.kernel == "act_gated_x"]
+    if not hits:
+        pytest.skip("no act_gated_x launch (the gated GEMM epilogue does it)")
+    phase, tokens, i, x = hits[0]
     rows, inter = 6, ex.spec.intermediate
     gu = (np.random.default_rng(4).standard_normal((rows, 2 * inter)) * 3).astype(np.float32)
     put(ex, buf(x, 0), gu)
     poison(ex, buf(x, 1))
-    run(ex, "prefill", ex.prefill_chunk, i, rows=rows, start=0, slot=1)
+    run(ex, phase, tokens, i, rows=rows, start=0, slot=1)
     ref = gated_act(gu.astype(np.float64), ex.spec.activation)
     assert rel(activation(ex, buf(x, 1), rows, inter, scalar(x, 2)), ref) <= TOL
 

@@ -111,11 +111,17 @@ class FairQueue:
             self._gauges()
             self.cond.notify()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.25) -> None:
+        """Stop the worker: it cancels what is left (freeing its pages) once its current step ends. That
+        step may be a prefill chunk that runs for seconds on a CPU, and every client has had its answer
+        by now (Service.end_all), so a shutdown waits wait_s for it, not for the chunk: the worker is a
+        daemon thread, and the process may exit while it computes a result nobody will read."""
         with self.cond:
             self.stopped = True
             self.cond.notify()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=wait_s)
+        if self.thread.is_alive():
+            log.info("shutdown: not waiting for the generation step in progress")
 
     def kv_pages_in_use(self) -> int:
         return self.engine.blocks.in_use()

@@ -49,6 +49,7 @@ class Service:
         self.grammars = Grammars(engine.bundle.tokenizer_json(), vocab, tok.eos_ids)
         self.created = int(time.time())
         self.live: set[Job] = set()       # jobs whose client still waits for them
+        self.closing: str | None = None   # why the server is shutting down, once it is: no new jobs
 
 
     def close(self) -> None:
@@ -130,6 +131,8 @@ class Service:
     # --- running ---
 
     def start(self, request: Request, ids: list[int], params: SamplingParams, grammar: Grammar | None) -> Job:
+        if self.closing:     # a request that came in between the signal and the listener's close
+            raise _shutting_down(self.closing)
         constraint = self.grammars.constraint(grammar) if grammar else None
         job = self.queue.submit(ids, params, constraint, t_arrival=request.state.t0)
         self.live.add(job)
@@ -144,10 +147,12 @@ class Service:
     def end_all(self, reason: str) -> None:
         """Server shutdown: every live job is cancelled (its KV freed) and its client told why, so a
         stream ends with the dialect's error event and a waiting request gets a 503, at once, rather
-        than being cut off when the server's grace period runs out."""
+        than being cut off when the server's grace period runs out. Requests that arrive after this get
+        the same 503 rather than starting a generation the shutdown would cut."""
+        self.closing = reason
         for job in list(self.live):
             self.cancel([job])
-            job.events.put_nowait(APIError(503, f"the server is shutting down: {reason}", code="server_shutdown"))
+            job.events.put_nowait(_shutting_down(reason))
 
     async def run_all(self, request: Request, jobs: list[Job]) -> list[list[TokenEvent]]:
         """Non-streaming: wait for every job, cancelling all of them if the client disconnects."""
@@ -197,6 +202,10 @@ class Service:
             for t in tasks:
                 t.cancel()
             self.cancel(jobs)
+
+
+def _shutting_down(reason: str) -> APIError:
+    return APIError(503, f"the server is shutting down: {reason}", code="server_shutdown")
 
 
 def _explained(jobs: list[Job], error: APIError) -> APIError:
