@@ -50,6 +50,8 @@ def main() -> int:
             time.sleep(0.5)
         else:
             raise SystemExit("server did not come up")
+        rss_start = round(rss_mib(server.pid), 1)          # loaded, before any request
+        print(f"server up: RSS {rss_start} MiB", flush=True)
         t0, samples, totals, rnd = time.time(), [], {"requests": 0, "failures": 0, "output_tokens": 0}, 0
         next_sample = t0 + 60
         while time.time() - t0 < a.minutes * 60:
@@ -72,7 +74,7 @@ def main() -> int:
         health = httpx.get(url + "/health", timeout=5).status_code
         first, last = samples[0][1], samples[-1][1]
         print(json.dumps({"minutes": a.minutes, "clients": a.clients, **totals, "health": health,
-                          "rss_first_minute_mib": first, "rss_last_mib": last,
+                          "rss_at_start_mib": rss_start, "rss_first_minute_mib": first, "rss_last_mib": last,
                           "rss_growth": round(last / first - 1, 4), "samples": samples}))
     finally:
         server.terminate()
