@@ -27,6 +27,7 @@ ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's key
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
 WG_STAGES = {128: 6, 256: 4}                            # its ring depth per BN: ~192 KB of shared memory
+WG_SMALL_CHUNK = 128     # Hopper: a second prefill phase for chunks of at most one row tile, split over K
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -143,6 +144,11 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     elif wg_mode == "dequant" and wg:
         n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
         out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
+    if wg_mode != "none":      # split-K partial sums and turn flags of the small prefill phase (gemm_wgmma)
+        tiles = max(-(-shape[0] // 128) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
+                    and len(shape) == 2)
+        out += [("wg_ws", "scratch", "f32", (tiles, 128 * 128), tiles * 128 * 128 * 4, None),
+                ("wg_flags", "scratch", "i32", (tiles,), tiles * 4, None)]
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
         for kv in ("k", "v"):
@@ -282,15 +288,24 @@ class ProgramBuilder:
         else:
             wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
             reads = lin.reads()
-        # the wider tile where it still gives every SM a block at the chunk's full size
-        bn = 256 if -(-lin.n // 256) * -(-self.chunk // WG_TILE_M) >= self.sm_count else 128
+        # the wider tile where it still gives every SM a block at the chunk's full size; a chunk of one row
+        # tile splits K so the grid (at most one block per SM: the splits wait on each other) fills the GPU
+        bn = 256 if -(-lin.n // 256) * -(-self.rows_max // WG_TILE_M) >= self.sm_count else 128
+        tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
+        if self.rows_max <= WG_TILE_M:
+            splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // tiles))
+        if splits > 1:
+            split_args = [ptr("wg_ws"), ptr("wg_flags")]
+            part = tiles * bn * 512
+            reads += [("wg_ws", part), ("wg_flags", tiles * 4)]
         kern = f"gemm_wg{bn}_{dtype}"
         self.kernel_smem[kern] = wg_smem_bytes(bn)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (-(-lin.n // bn), sym_rows(ceil_div=WG_TILE_M) if isinstance(rows, dict) else -(-rows // WG_TILE_M)),
+        e.add(kern, (tiles, sym_rows(ceil_div=WG_TILE_M) if isinstance(rows, dict) else -(-rows // WG_TILE_M), splits),
               (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
-                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode)],
-              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []), [(out, out_bytes)],
+                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
+              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
+              [(out, out_bytes)] + ([("wg_ws", tiles * bn * 512), ("wg_flags", tiles * 4)] if splits > 1 else []),
               smem=wg_smem_bytes(bn))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
@@ -435,9 +450,14 @@ class ProgramBuilder:
               [("logits", b * s.vocab_size * 4)], [("sampled", b * 4)])
         return Phase("decode", b, tuple(e.launches))
 
-    def prefill(self) -> Phase:
+    def prefill_buckets(self) -> list[int]:
+        """Row counts of the prefill phases: the chunk, and on Hopper a split-K phase for one row tile."""
+        small = self.wg_mode != "none" and self.chunk > WG_SMALL_CHUNK
+        return [WG_SMALL_CHUNK, self.chunk] if small else [self.chunk]
+
+    def prefill(self, chunk: int) -> Phase:
         s = self.spec
-        self.rows_max, self.prefill_phase = self.chunk, True
+        self.rows_max, self.prefill_phase = chunk, True
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
@@ -446,11 +466,11 @@ class ProgramBuilder:
             e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt)), (self.fa_threads,),
                   [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row), i32({"sym": "start"}),
                    i32(ROWS), i32(window), ptr("attn"), i32(ofmt)],
-                  [("q", self.chunk * s.q_dim * 2)], [("attn", self.chunk * s.q_dim * 2)], smem=self.fa_smem)
+                  [("q", chunk * s.q_dim * 2)], [("attn", chunk * s.q_dim * 2)], smem=self.fa_smem)
 
         self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
         self.prefill_phase = False
-        return Phase("prefill", self.chunk, tuple(e.launches))
+        return Phase("prefill", chunk, tuple(e.launches))
 
     def logits(self, rows: int) -> Phase:
         """Logits of `rows` consecutive rows of x from row `row0` (after a prefill chunk)."""
@@ -467,6 +487,9 @@ class ProgramBuilder:
         e = _Emitter(pdl=False)
         if self.seed is not None:
             self.synthetic_weights(e)
+        if "wg_flags" in self.buffers:   # split-K turn flags start at 0
+            n = self.buffers["wg_flags"].shape[0]
+            e.add("fill_f32", (1,), (256,), [ptr("wg_flags"), {"u64": n}, {"f32": 0.0}], [], [("wg_flags", n * 4)])
         if self.wg_mode == "copy":      # the fp16 copies prefill's wgmma GEMM reads, expanded once at load
             for name, n, k in wgmma_weights(self.spec, self.formats):
                 self.dequant(e, _Lin(name, "nvfp4", n, k), name + ".f16")
@@ -502,7 +525,7 @@ class ProgramBuilder:
         self.layout()
         phases = [self.init()]
         phases += [self.decode(b) for b in self.plan["graph_buckets"]]
-        phases.append(self.prefill())
+        phases += [self.prefill(c) for c in self.prefill_buckets()]
         phases += [self.logits(r) for r in LOGITS_BUCKETS]
         consts = {"page_size": self.page, "max_pages": self.max_pages, "max_seqs": self.max_seqs,
                   "kv_pages": self.kv_pages, "max_context": self.max_context, "max_batch": self.max_batch,

@@ -73,6 +73,7 @@ class CudaExecutor:
         self.phases = {(ph.phase, ph.tokens): BoundPhase(ph, self.module, self.arena, p.symbols) for ph in p.phases}
         self.phases[("init", 0)].run(self.stream)             # synthetic weights (empty otherwise)
         self.decode_buckets = p.buckets("decode")
+        self.prefill_buckets = p.buckets("prefill")
         self.logits_buckets = p.buckets("logits")
         # host side of the step values: page-locked, sent in one copy per step
         self.step_off, step_bytes = p.step_region()
@@ -140,10 +141,11 @@ class CudaExecutor:
         if start + len(tokens) > self.max_context:
             raise ValueError(f"sequence of {start + len(tokens)} tokens exceeds the context of {self.max_context}")
         rows, st = [], self.step
-        phase = self.phases[("prefill", self.prefill_chunk)]
         for c0 in range(0, len(tokens), self.prefill_chunk):
             chunk = tokens[c0:c0 + self.prefill_chunk]
             t, pos0 = len(chunk), start + c0
+            # the smallest prefill phase that holds the chunk (Hopper: a split-K one for short chunks)
+            phase = self.phases[("prefill", next(b for b in self.prefill_buckets if b >= t))]
             check(cu.cuStreamSynchronize(self.stream))        # the last copy from step_host is done
             st["tokens"][:t] = chunk
             st["positions"][:t] = np.arange(pos0, pos0 + t)

@@ -57,7 +57,7 @@ def main() -> int:
         ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])        # the step values of a real step
         phase, env = ex.program.phase("decode", next(b for b in ex.decode_buckets if b >= n)), {}
     else:
-        phase = ex.program.phase("prefill", ex.prefill_chunk)
+        phase = ex.program.phase("prefill", next(b for b in ex.prefill_buckets if b >= min(a.tokens, ex.prefill_chunk)))
         env = {"rows": min(a.tokens, ex.prefill_chunk), "start": seqs[0].length, "slot": ex._seqs[seqs[0].sid].slot}
     e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
     times = collections.defaultdict(list)

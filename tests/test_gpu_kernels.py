@@ -260,18 +260,24 @@ def test_decode_gemv(ex, b):
         pytest.skip(f"decode {b} runs the GEMM (above the GEMV's rows)")
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 100])
+@pytest.mark.parametrize("m", [1, 3, 17, 100, 300])
 def test_prefill_gemm(ex, m):
-    """The prefill GEMMs with a ragged number of rows (the chunk's grid shrinks to them)."""
-    if m > ex.prefill_chunk:
-        pytest.skip("chunk smaller than the rows")
+    """The prefill GEMMs of every prefill phase with a ragged number of rows (the grid shrinks to them);
+    on Hopper the wgmma GEMM, split over K in the phase of one row tile, and its gated gate_up epilogue."""
     rng = np.random.default_rng(3 + m)
     seen = set()
-    for i, x in enumerate(ex.program.phase("prefill", ex.prefill_chunk).launches):
-        if x.kernel.startswith("gemm_") and (x.kernel, x.args[-1]["i32"]) not in seen:
-            seen.add((x.kernel, x.args[-1]["i32"]))
-            check_linear(ex, "prefill", ex.prefill_chunk, i, x, m, rng, {"rows": m, "start": 0, "slot": 1})
-    assert seen
+    for tokens in ex.prefill_buckets:
+        if m > tokens:
+            continue
+        for i, x in enumerate(ex.program.phase("prefill", tokens).launches):
+            if not x.kernel.startswith("gemm_"):
+                continue
+            key = (tokens, x.kernel, str(x.args[8:]) if x.kernel.startswith("gemm_wg") else x.args[-1]["i32"], x.grid[2])
+            if key not in seen:
+                seen.add(key)
+                check_linear(ex, "prefill", tokens, i, x, m, rng, {"rows": m, "start": 0, "slot": 1})
+    if not seen:
+        pytest.skip("the chunk is smaller than the rows")
 
 
 def test_decode_gemm_split_k(ex):

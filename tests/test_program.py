@@ -107,8 +107,8 @@ def test_compile_refuses_a_program_that_fails_validation(checkpoints, tmp_path, 
     from impc.errors import CompileError
     real = launches.ProgramBuilder.prefill
 
-    def bad_prefill(self):
-        ph = real(self)
+    def bad_prefill(self, chunk):
+        ph = real(self, chunk)
         x = ph.launches[0]
         return replace(ph, launches=(replace(x, args=({"ptr": "nowhere"},) + x.args[1:]),) + ph.launches[1:])
 
@@ -128,7 +128,8 @@ def test_inspect_program_counts(gpu_bundle_dir):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert {(k["phase"], k["tokens"]) for k in d["buckets"]} == \
-        {("decode", n) for n in (1, 2, 4, 8, 16)} | {("prefill", b.manifest["plan"]["targets"]["sm_90a"]["prefill_chunk"])}
+        {("decode", n) for n in (1, 2, 4, 8, 16)} | {("prefill", b.manifest["plan"]["targets"]["sm_90a"]["prefill_chunk"]),
+                                                    ("prefill", 128)}   # Hopper: the split-K phase of one row tile
     dec1 = next(k for k in d["buckets"] if k["phase"] == "decode" and k["tokens"] == 1)
     # embed; per layer norm, qkv, rope+cache, attention, merge, o, norm, gate_up(+act), down; head norm, head, sample
     assert len(dec1["launches"]) == 1 + 9 * s.n_layers + 3
