@@ -52,6 +52,16 @@ def test_chat_usage_matches_tokenizer(greedy_answer, hf_tokenizer):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_ignore_eos_runs_to_max_tokens_past_the_end_of_the_answer(client, server):
+    """vLLM's ignore_eos: the answer that ended with EOS continues, unchanged up to there, to max_tokens."""
+    ended = client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=64, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 64   # the premise
+    full = client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=64, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 64
+    assert full.choices[0].message.content.startswith(ended.choices[0].message.content)
+
+
 def test_chat_stream_equals_non_stream(client, server, greedy_answer):
     chunks, stamps, usage, finish = [], [], None, None
     stream = client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=12, temperature=0,

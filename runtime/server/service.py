@@ -14,7 +14,7 @@ from imp_runtime.chat_template import TemplateError
 from imp_runtime.engine import Engine, TokenEvent
 from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.errors import APIError, bad_request
-from imp_runtime.server.fields import get_int, get_number, get_str
+from imp_runtime.server.fields import get_bool, get_int, get_number, get_str
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
 from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
@@ -111,6 +111,8 @@ class Service:
             frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
             seed=None if seed is None else seed % 2**64,
             stop=list(stop),
+            # vLLM's extension, which load generators send so every request runs to max_tokens
+            ignore_eos=get_bool(body, "ignore_eos", False),
             logprobs=logprobs)
 
     @staticmethod
