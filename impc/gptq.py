@@ -23,22 +23,27 @@ LAZY_BLOCK = 64      # columns whose updates to the rest are applied as one matr
 
 @dataclass
 class HessianFactor:
-    r: np.ndarray           # upper triangular, H + damping = R R^T
+    feedback: np.ndarray    # F [K, K], lower triangular: F[c, i] = R_ic / R_cc, where H + damping = R R^T
+    r_diag: np.ndarray      # R_cc
     dead: np.ndarray        # bool [K]: input channels never active in the calibration data
     damping: float          # added to H's diagonal
 
 
-def hessian_factor(hessian: np.ndarray, damp: float = DAMP) -> HessianFactor:
+def hessian_factor(h: np.ndarray, damp: float = DAMP) -> HessianFactor:
     """Dampen H (and give dead channels, whose weights cannot matter and are zeroed, a unit diagonal),
-    then factor it as R R^T by a Cholesky in reversed order. GPTQ's usual factor U (H^-1 = U^T U) is
-    R^-1; the loop below uses R itself, so no inverse is needed."""
-    h = np.array(hessian, dtype=np.float64)
+    then factor it as R R^T (R upper) by a Cholesky in reversed order. GPTQ's usual factor U
+    (H^-1 = U^T U) is R^-1; the loop below uses R itself, so no inverse is needed. h (float64) is
+    modified in place: at 8B a K x K matrix is 1.2 GB, so no more copies than the factorisation needs."""
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     damping = damp * float(np.mean(np.diag(h)))
     h[np.diag_indices_from(h)] += damping
-    # With J the order reversal and J H J = M M^T (M lower), R = J M J.
-    return HessianFactor(np.ascontiguousarray(np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]), dead, damping)
+    # With J the order reversal and J H J = M M^T (M lower), R = J M J, so R^T = J M^T J.
+    rt = np.linalg.cholesky(h[::-1, ::-1]).T[::-1, ::-1]        # R^T, lower triangular (a view)
+    r_diag = np.ascontiguousarray(np.diag(rt))
+    feedback = np.ascontiguousarray(rt)
+    feedback /= r_diag[:, None]
+    return HessianFactor(feedback, r_diag, dead, damping)
 
 
 def gptq_nvfp4(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP, act_order: bool = True,
@@ -73,14 +78,13 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(kp)
     h, w, step = h[np.ix_(order, order)], w[:, order], step[order]
     f = hessian_factor(h, damp)
-    r = f.r
+    del h
+    fb = f.feedback
     w[:, f.dead] = 0.0
     # GPTQ as error feedback (Babai's nearest plane; Chen et al. 2024): column c is rounded after adding
-    # sum_{i<c} (W_i - Q_i) R_ic / R_cc, the optimal-brain-surgeon update of the paper written with R
-    # (H = R R^T) instead of the inverse's factor. Transposed, so that a column of W is a contiguous row:
+    # sum_{i<c} (W_i - Q_i) R_ic / R_cc = sum_{i<c} D_i F_ci, the optimal-brain-surgeon update of the
+    # paper written with R (H = R R^T) instead of the inverse's factor. Transposed, so that a column of W is a contiguous row:
     # [Kp, N] for W, its grid steps, codes and errors.
-    rs = r / np.diag(r)[None, :]
-    rst = np.ascontiguousarray(rs.T)
     wt = np.ascontiguousarray(w.T)
     dt = np.zeros_like(wt)
     inv_step = np.where(step > 0, 1.0 / np.where(step > 0, step, 1.0), 0.0)
@@ -88,9 +92,9 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     residual = np.zeros_like(wt)            # each column's rounding error as the loop saw it
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
-        wb = wt[i1:i2] + rs[:i1, i1:i2].T @ dt[:i1]     # the earlier blocks' feedback as one product
+        wb = wt[i1:i2] + fb[i1:i2, :i1] @ dt[:i1]       # the earlier blocks' feedback as one product
         for c in range(i1, i2):
-            x = wb[c - i1] + rst[c, i1:c] @ dt[i1:c]        # + this block's earlier columns' (one gemv)
+            x = wb[c - i1] + fb[c, i1:c] @ dt[i1:c]         # + this block's earlier columns' (one gemv)
             q = e2m1_codes(x * inv_step[c])                  # a zero step (all-zero block) gives code 0
             codes[c] = q
             deq = E2M1_VALUES[q] * step[c]
@@ -100,7 +104,7 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     # GPTQ's own loss is the weighted error for free: with D = W - Q, D R's column c is R_cc times the
     # rounding error of column c as the loop saw it, and ||D R||^2 = tr(D H_damped D^T); removing the
     # dampening leaves tr(D H D^T) (dead inputs hold D = 0 in the loop and add nothing either way).
-    loss = float(np.sum(np.diag(r) ** 2 * np.sum(residual * residual, axis=1)) - f.damping * np.sum(dt * dt))
+    loss = float(np.sum(f.r_diag ** 2 * np.sum(residual * residual, axis=1)) - f.damping * np.sum(dt * dt))
     return GPTQResult(NVFP4Tensor(pack_codes(codes), scales, tscale, (n, k)), loss)
 
 
