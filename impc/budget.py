@@ -17,7 +17,7 @@ import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -111,18 +111,24 @@ class SensitivityMeter:
 
 
 class BackgroundMeasurements:
-    """Sensitivities measured on worker threads while the caller goes on: submit() each tensor as soon as
-    its quantized values exist; at most `beside` measurements run at once until more_cores() (the
-    caller's own work is done), then up to `after`. A context manager: leaving it cancels what has not
-    started (after an error) and waits for what has."""
+    """Sensitivities measured on worker threads while the caller goes on: the meter is built by a worker
+    (make_meter: the reference model's run), then submit() each tensor as soon as its quantized values
+    exist. At most `beside` threads work at once until more_cores() (the caller's own work is done),
+    then up to `after`. A context manager: leaving it cancels what has not started (after an error)
+    and waits for what has."""
 
-    def __init__(self, meter: SensitivityMeter, beside: int = 1, after: int = min(2, os.cpu_count() or 1)):
-        self.meter = meter
+    def __init__(self, make_meter: Callable[[], SensitivityMeter], beside: int = 1,
+                 after: int = min(2, os.cpu_count() or 1)):
         self.after = max(after, beside)
         self.slots = threading.Semaphore(beside)
         self.extra = self.after - beside
         self.pool = ThreadPoolExecutor(max_workers=self.after)
         self.pending: dict[str, Future] = {}
+        self.meter = self.pool.submit(self._in_slot, make_meter)
+
+    def _in_slot(self, work: Callable[[], float | SensitivityMeter]):
+        with self.slots:
+            return work()
 
     def __enter__(self) -> "BackgroundMeasurements":
         return self
@@ -131,8 +137,8 @@ class BackgroundMeasurements:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _measure(self, name: str, values: np.ndarray) -> float:
-        with self.slots:
-            return self.meter.measure(name, values)
+        meter = self.meter.result()                     # built by then: it was the first job
+        return self._in_slot(lambda: meter.measure(name, values))
 
     def submit(self, name: str, values: np.ndarray) -> None:
         self.pending[name] = self.pool.submit(self._measure, name, values)
@@ -157,7 +163,7 @@ def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], qu
                         threads: int = min(2, os.cpu_count() or 1)) -> dict[str, float]:
     """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor.
     (The compiler overlaps these with the GPTQ pass instead: quantize_calibrated.py.)"""
-    with BackgroundMeasurements(SensitivityMeter(spec, reference, chunks), threads, threads) as bg:
+    with BackgroundMeasurements(lambda: SensitivityMeter(spec, reference, chunks), threads, threads) as bg:
         for name, values in quantized.items():
             bg.submit(name, values)
         return bg.results(list(quantized), progress)

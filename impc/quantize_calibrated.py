@@ -29,7 +29,7 @@ from imp_runtime.spec import ModelSpec
 class CalibratedQuant:
     weights: dict[str, np.ndarray]          # the checkpoint's float32 tensors, in bundle order
     formats: dict[str, str]                 # after the budget's choice
-    tensors: dict[str, NVFP4Tensor]         # the GPTQ result of every tensor still NVFP4
+    tensors: dict[str, NVFP4Tensor]         # every tensor still NVFP4: GPTQ's result, the embedding's rounding
     output_error: dict[str, dict]           # per tensor, merged into its manifest entry
     record: dict                            # the manifest's quantization.calibration
 
@@ -69,13 +69,14 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
            f"from {calib.source}")
 
     # What the served model computes with, except the linears still to be quantized.
-    stored = {}
+    stored, rounded = {}, {}
     for name, w in weights.items():
         fmt = formats[name]
         if fmt == "bf16":
             stored[name] = bf16_values(w)
         elif fmt == "nvfp4" and name == "embed":      # a lookup table, not a linear: rounded to nearest
-            stored[name] = quantize_nvfp4(w, opts.scale_search).dequantize()
+            rounded[name] = quantize_nvfp4(w, opts.scale_search)
+            stored[name] = rounded[name].dequantize()
         else:
             stored[name] = w
     # The budget's sensitivity of a tensor needs only that tensor's GPTQ result, so it is measured on a
@@ -83,14 +84,18 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
     # two threads measure. Each value is computed the same way on either thread.
     cands = candidates(formats)
     sensitivity: dict[str, float] = {}
+
+    def reference_meter() -> SensitivityMeter:
+        """The bf16 model (as `--quant bf16` stores it) on a few hundred calibration tokens."""
+        reference = {name: (bf16_values(w) if name in cands else stored[name]) for name, w in weights.items()}
+        if formats["embed"] == "nvfp4":
+            reference["embed"] = bf16_values(weights["embed"])
+        return SensitivityMeter(spec, reference, sensitivity_chunks(calib.chunks))
+
     with ExitStack() as stack:
         bg = None
         if budget.bytes_for(base_bytes) > base_bytes and cands:
-            reference = {name: (bf16_values(w) if name in cands else stored[name]) for name, w in weights.items()}
-            if formats["embed"] == "nvfp4":
-                reference["embed"] = bf16_values(weights["embed"])
-            bg = stack.enter_context(BackgroundMeasurements(
-                SensitivityMeter(spec, reference, sensitivity_chunks(calib.chunks))))
+            bg = stack.enter_context(BackgroundMeasurements(reference_meter))
         t0 = time.perf_counter()
         cal = calibrate(spec, stored, formats, calib, p,
                         (lambda name, values: bg.submit(name, values) if name in cands else None) if bg else None)
@@ -113,7 +118,7 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
               "tokens": calib.n_tokens, "chunk_tokens": min(CHUNK_TOKENS, calib.chunks.shape[1]),
               "budget": {"request": str(budget), "base_bytes": choice.base_bytes, "budget_bytes": choice.budget_bytes,
                          "weights_bytes": choice.weights_bytes, "widened": choice.widened}}
-    kept = {name: q for name, q in cal.tensors.items() if choice.formats[name] == "nvfp4"}
+    kept = {**rounded, **{name: q for name, q in cal.tensors.items() if choice.formats[name] == "nvfp4"}}
     return CalibratedQuant(weights, choice.formats, kept, errors, record)
 
 
