@@ -83,28 +83,32 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     w[:, f.dead] = 0.0
     # GPTQ as error feedback (Babai's nearest plane; Chen et al. 2024): column c is rounded after adding
     # sum_{i<c} (W_i - Q_i) R_ic / R_cc = sum_{i<c} D_i F_ci, the optimal-brain-surgeon update of the
-    # paper written with R (H = R R^T) instead of the inverse's factor. Transposed, so that a column of W is a contiguous row:
-    # [Kp, N] for W, its grid steps, codes and errors.
+    # paper written with R (H = R R^T) instead of the inverse's factor. Transposed, so that a column of
+    # W is a contiguous row: [Kp, N] for W, its grid steps, codes and errors D (float64 [Kp, N] arrays
+    # are few: at 8B, gate_up's is 0.8 GB).
     wt = np.ascontiguousarray(w.T)
+    del w
     dt = np.zeros_like(wt)
-    inv_step = np.where(step > 0, 1.0 / np.where(step > 0, step, 1.0), 0.0)
     codes = np.zeros((kp, n), dtype=np.uint8)
-    residual = np.zeros_like(wt)            # each column's rounding error as the loop saw it
+    seen_error = np.zeros(kp)               # ||rounding error of column c as the loop saw it||^2
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
         wb = wt[i1:i2] + fb[i1:i2, :i1] @ dt[:i1]       # the earlier blocks' feedback as one product
+        stp = step[i1:i2]
+        inv_step = np.where(stp > 0, 1.0 / np.where(stp > 0, stp, 1.0), 0.0)
         for c in range(i1, i2):
             x = wb[c - i1] + fb[c, i1:c] @ dt[i1:c]         # + this block's earlier columns' (one gemv)
-            q = e2m1_codes(x * inv_step[c])                  # a zero step (all-zero block) gives code 0
+            q = e2m1_codes(x * inv_step[c - i1])             # a zero step (all-zero block) gives code 0
             codes[c] = q
             deq = E2M1_VALUES[q] * step[c]
             dt[c] = wt[c] - deq
-            residual[c] = x - deq
+            e = x - deq
+            seen_error[c] = e @ e
     codes = np.ascontiguousarray(codes[np.argsort(order)].T)
     # GPTQ's own loss is the weighted error for free: with D = W - Q, D R's column c is R_cc times the
     # rounding error of column c as the loop saw it, and ||D R||^2 = tr(D H_damped D^T); removing the
     # dampening leaves tr(D H D^T) (dead inputs hold D = 0 in the loop and add nothing either way).
-    loss = float(np.sum(f.r_diag ** 2 * np.sum(residual * residual, axis=1)) - f.damping * np.sum(dt * dt))
+    loss = float(f.r_diag ** 2 @ seen_error - f.damping * np.sum(dt * dt))
     return GPTQResult(NVFP4Tensor(pack_codes(codes), scales, tscale, (n, k)), loss)
 
 
