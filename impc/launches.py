@@ -169,12 +169,13 @@ def rope_variants(spec: ModelSpec) -> list[tuple]:
     return list(dict.fromkeys(spec.rope_for(i) for i in range(spec.n_layers)))
 
 
-def fa_geometry(head_dim: int) -> tuple[int, int, int]:
+def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
     """(threads, query rows, dynamic shared memory) of a block of attn_prefill_f16 (templates/attn_prefill.cu.j2):
-    warps of 16 query rows, two double-buffered K and V tiles (or the Q tile, whichever is larger)."""
-    warps, kt = (8, 64) if head_dim <= 128 else (4, 32)
-    qt, ld = 16 * warps, head_dim + 8
-    return 32 * warps, qt, max(qt * ld, 4 * kt * ld) * 2
+    4 warps of 2 row blocks of 16 (1 above head_dim 128), the Q tile and two double-buffered K and V tiles of
+    64 keys (32 where that would not fit the target's shared memory)."""
+    qt, ld = 4 * 16 * (2 if head_dim <= 128 else 1), head_dim + 8
+    kt = 64 if (qt + 4 * 64) * ld * 2 <= smem_limit else 32
+    return 128, qt, (qt * ld + 4 * kt * ld) * 2
 
 
 @dataclass
@@ -245,7 +246,7 @@ class ProgramBuilder:
         self.max_seqs = plan["max_sequences"]
         self.R, self.MB = rows_for(self.chunk, self.max_batch)
         self.sm_count = target["sm_count"]
-        self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim)
+        self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim, target["smem_per_block_bytes"])
         self.wg_mode = t.get("prefill_weights", "none")
         self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}

@@ -18,7 +18,10 @@ One thread steps the scheduler; `submit` and `cancel` may be called from any thr
 from __future__ import annotations
 
 import collections
+import logging
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,6 +69,28 @@ class StepOutput:
     error: Exception | None = None     # the request ended with this error (its pages are back)
 
 
+@dataclass
+class StepTimes:
+    """Where the stepping thread's time goes (seconds, summed over steps): the executor's decode and prefill
+    calls (launches and the wait for the GPU) and everything else of a step (deciding, sampling on the host,
+    detokenizing, stop strings). With IMP_STEP_STATS=N set, a log line every N steps."""
+    steps: int = 0
+    decode_rows: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+
+    def line(self) -> str:
+        n = max(self.steps, 1)
+        host = self.total_s - self.decode_s - self.prefill_s
+        return (f"{self.steps} steps, {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
+                f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f}")
+
+
+_log = logging.getLogger("imp.scheduler")
+_STATS_EVERY = int(os.environ.get("IMP_STEP_STATS", "0") or 0)
+
+
 class Scheduler:
     def __init__(self, executor, blocks: BlockManager, config: SchedulerConfig):
         self.executor, self.blocks, self.config = executor, blocks, config
@@ -73,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._inbox: collections.deque[Request] = collections.deque()   # submitted, not yet seen by a step
         self._lock = threading.Lock()      # held by a step; cancel frees pages at once when it is free
+        self.times = StepTimes()
         # counters for metrics
         self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0         # of which found
@@ -111,6 +137,16 @@ class Scheduler:
     # --- the stepping thread ---
 
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        out = self._step()
+        t = self.times
+        t.steps += 1
+        t.total_s += time.perf_counter() - t0
+        if _STATS_EVERY and t.steps % _STATS_EVERY == 0:
+            _log.warning("step times: %s", t.line())
+        return out
+
+    def _step(self) -> list[StepOutput]:
         with self._lock:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
@@ -216,10 +252,14 @@ class Scheduler:
             g = req.gen
             step.append(StepRow(req.sid, g.pending, req.computed, None if g.host_sampled else g.params,
                                 want_logits=g.host_sampled))
+        t0 = time.perf_counter()
         try:
             result = self.executor.decode(step)
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
             return [self._fail(req, e) for req in rows]
+        finally:
+            self.times.decode_s += time.perf_counter() - t0
+            self.times.decode_rows += len(rows)
         out = []
         for i, req in enumerate(rows):
             req.computed += 1
@@ -236,11 +276,14 @@ class Scheduler:
                 continue
             tokens = req.gen.kv_tokens()
             self._send_pages(req)
+            t0 = time.perf_counter()
             try:
                 logits = self.executor.prefill(req.sid, tokens[req.computed:req.computed + n], req.computed)
             except Exception as e:  # noqa: BLE001
                 out.append(self._fail(req, e))
                 continue
+            finally:
+                self.times.prefill_s += time.perf_counter() - t0
             req.computed += n
             self.blocks.commit(req.table, tokens, req.computed)
             if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
