@@ -367,6 +367,24 @@ class ProgramBuilder:
         kern = "embedding_gather_nvfp4" if emb.fmt == "nvfp4" else "embedding_gather"
         e.add(kern, (rows,), (256,), [ptr("tokens"), *emb.weight_args(), ptr("x")], reads, [("x", m * s.hidden * 4)])
 
+    def norm_fused(self, lin: _Lin, dec: bool, nb: int) -> bool:
+        """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its
+        prologue (templates/gemv.cu.j2 *_norm_nb1, emitted for hidden sizes whose planes fit 32 KB), where its
+        blocks fit one wave (two an SM): each block pays the prologue, so over several waves it costs more
+        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%)."""
+        h = self.spec.hidden
+        cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
+        return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
+                and -(-cols // 16) <= 2 * self.sm_count)
+
+    def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
+        h = self.spec.hidden
+        cols = lin.n // 2 if gated else lin.n
+        e.add(f"gemv_{'gated_' if gated else ''}nvfp4_norm_nb1", ((cols + 15) // 16,), (256,),
+              [ptr("x"), ptr(norm), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(1), i32(mode)],
+              lin.reads() + [("x", h * 4), (norm, h * 4)],
+              [(out, 2 * cols * 2 if gated else cols * 4)])
+
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
         """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""
         s, m = self.spec, ev(rows, self.rows_max)
@@ -374,8 +392,11 @@ class ProgramBuilder:
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
-            self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
-            self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
+            if self.norm_fused(qkv, dec, nb):
+                self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
+            else:
+                self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
+                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
             opt = lambda name: ptr(p + name) if p + name in self.formats else ptr(None)  # noqa: E731
             rope = self.rope[s.rope_for(i)]
             e.add("qkv_rope_cache_f16", (rows,), (128,),
@@ -390,16 +411,20 @@ class ProgramBuilder:
                 self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
             else:
                 self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb)
-            self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
-            if dec:
+            if self.norm_fused(gate_up, dec, nb):
+                self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
+            elif dec:
+                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 ofmt = xfmt(down.fmt)
                 e.add(f"gemv_gated_{gate_up.fmt}_nb{nb}", ((gate_up.n // 2 + 15) // 16,), (256,),
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
                        i32(ofmt)],
                       gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
             elif self.gated_wgmma(gate_up):
+                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wgmma(e, "hb", gate_up, "ab", rows, 2 if gfmt(down.fmt) == XF_F16 else 3)
             else:
+                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear(e, "hb", gate_up, "gu", rows, 0, False, split_k)
                 e.add("act_gated_x", ((s.intermediate + 255) // 256, rows), (256,),
                       [ptr("gu"), ptr("ab"), i32(gfmt(down.fmt))],

@@ -253,7 +253,8 @@ def test_decode_gemv(ex, b):
     rng = np.random.default_rng(30 + b)
     seen = set()
     for i, x in enumerate(ex.program.phase("decode", b).launches):
-        if x.kernel.startswith("gemv_") and not x.kernel.startswith("gemv_gated") and (x.kernel, x.args[-1]["i32"]) not in seen:
+        if x.kernel.startswith("gemv_") and not x.kernel.startswith("gemv_gated") and "_norm_" not in x.kernel \
+                and (x.kernel, x.args[-1]["i32"]) not in seen:
             seen.add((x.kernel, x.args[-1]["i32"]))
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
@@ -297,7 +298,11 @@ def test_decode_gemv_gated(ex, b):
     from imp_runtime.activation_formats import xfmt
     from imp_runtime.executor_cpu import gated_act
     bucket = next((t for t in ex.decode_buckets if t >= b), None)
-    i, x = find(ex, "decode", bucket, "gemv_gated_")
+    hits = [(i, x) for i, x in enumerate(ex.program.phase("decode", bucket).launches)
+            if x.kernel.startswith("gemv_gated_") and "_norm_" not in x.kernel]
+    if not hits:
+        pytest.skip(f"decode {bucket} fuses the norm into its gated GEMV (test_decode_gemv_norm)")
+    i, x = hits[0]
     fmt = "nvfp4" if "nvfp4" in x.kernel else "bf16"
     nw = 3 if fmt == "nvfp4" else 1
     n, k, ofmt = scalar(x, 2 + nw), scalar(x, 3 + nw), scalar(x, 5 + nw)
@@ -309,6 +314,35 @@ def test_decode_gemv_gated(ex, b):
     run(ex, "decode", bucket, i)
     ref = gated_act((a.astype(np.float64) @ wref.T.astype(np.float64)), ex.spec.activation)
     assert rel(activation(ex, buf(x, 1 + nw), bucket, n // 2, ofmt), ref) <= TOL_F32
+
+
+def test_decode_gemv_norm(ex):
+    """Batch-1 GEMVs with RMSNorm fused into the prologue (qkv; gate_up with act(gate) * up): the float32
+    residual row and the norm weight in, against rms_norm then the product, in float64."""
+    from imp_runtime.executor_cpu import gated_act, rms_norm
+    launches = ex.program.phase("decode", 1).launches if 1 in ex.decode_buckets else ()
+    hits = {x.kernel: (i, x) for i, x in enumerate(launches) if "_norm_" in x.kernel}
+    if not hits:
+        pytest.skip("no norm-fused GEMV in decode 1 (bf16 weights, or a hidden size whose planes do not fit)")
+    rng = np.random.default_rng(77)
+    for kernel, (i, x) in sorted(hits.items()):
+        n, k, mode = scalar(x, 6), scalar(x, 7), scalar(x, 9)
+        wref = random_weights(ex, x, [2, 3, 4], n, k, rng, tiny_rows=min(40, n // 4))
+        row = (rng.standard_normal((1, k)) * rng.uniform(0.1, 10, (1, k))).astype(np.float32)
+        w = rng.uniform(0.2, 2.0, k).astype(np.float32)
+        put(ex, buf(x, 0), row)
+        put(ex, buf(x, 1), w)
+        out = buf(x, 5)
+        poison(ex, out)
+        run(ex, "decode", 1, i)
+        h = rms_norm(row.astype(np.float64), w.astype(np.float64), ex.spec.norm_eps)
+        prod = h @ wref.T.astype(np.float64)
+        if "gated" in kernel:
+            ref = gated_act(prod, ex.spec.activation)
+            assert rel(activation(ex, out, 1, n // 2, mode), ref) <= TOL_F32, kernel
+        else:
+            got = get(ex, out, np.float32, n).reshape(1, n)
+            assert dot_rel(got, prod, h, wref) <= TOL_F32, kernel
 
 
 def test_act(ex):
