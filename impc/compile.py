@@ -9,7 +9,7 @@ import numpy as np
 from impc import __version__
 from impc.checkpoint import load_checkpoint
 from impc.errors import CompileError
-from impc.emit import Emitted, compiler_record, emit, template_hashes
+from impc.emit import Emitted, compiler_record, emit, nvcc_path, template_hashes
 from impc.families import family_for
 from impc.launches import ProgramOptions, build_program
 from impc.plan import describe, plan_memory
@@ -144,9 +144,12 @@ class Quantized:
     calibration: dict | None           # how calibration and the budget ran, for the manifest
 
 
-def emit_stage(spec: ModelSpec, targets: list[dict], plan: dict, p: Progress) -> list[Emitted]:
+def emit_stage(spec: ModelSpec, targets: list[dict], plan: dict, p: Progress,
+               emitted: list[Emitted] | None = None) -> list[Emitted]:
+    """Stage 5 (or its result, when nvcc already ran alongside quantization)."""
     p.stage(f"emit kernels for {', '.join(t['name'] for t in targets) or 'no GPU target (cpu only)'}")
-    emitted = emit(spec, targets, plan)
+    if emitted is None:
+        emitted = emit(spec, targets, plan)
     for e in emitted:
         p.info(f"{e.target}: {len(e.kernels)} kernels, {len(e.cubin) / 1024:.0f} KiB{' (cached)' if e.cached else ''}")
     return emitted
@@ -215,11 +218,18 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     spec = family.spec(ck.config)
     p.info(describe_spec(spec))
     formats, targets, plan = plan_stage(spec, opts, p)
-    q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
-    if q.formats != formats:
-        formats, targets, plan = plan_stage(spec, opts, p, q.formats)
-    arrays, quant = q.arrays, q.tensors
-    emitted = emit_stage(spec, targets, plan, p)
+    # The kernels depend on the model's shape and the targets only (not on the formats the byte budget picks),
+    # so nvcc runs in its own process while the weights are quantized: the two longest stages overlap.
+    from concurrent.futures import ThreadPoolExecutor
+    if targets:
+        nvcc_path()                   # a missing compiler is said now, not after quantization
+    with ThreadPoolExecutor(max_workers=1) as nvcc_pool:
+        kernels = nvcc_pool.submit(emit, spec, targets, plan)
+        q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
+        if q.formats != formats:
+            formats, targets, plan = plan_stage(spec, opts, p, q.formats)
+        arrays, quant = q.arrays, q.tensors
+        emitted = emit_stage(spec, targets, plan, p, kernels.result())
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p)
 
     p.stage(f"write {out}")
