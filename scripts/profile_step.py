@@ -9,7 +9,7 @@ sums to 7.6 ms here against 4.1 ms replayed as a graph), so small kernels read s
 the big GEMVs, whose time is their bytes, read close to true. `ncu` gives exact kernel durations.
 Also the target of `ncu --clock-control none python scripts/profile_step.py ...` for hardware counters.
 
-Usage: python scripts/profile_step.py BUNDLE [--phase decode|prefill] [--tokens N] [--reps 20] [--json]"""
+Usage: python scripts/profile_step.py BUNDLE [--phase decode|prefill] [--tokens N] [--reps 20] [--by-shape] [--json]"""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache (default 512)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--by-shape", action="store_true",
+                    help="one row per matrix kernel and weight (qkv, o, gate_up, down, head) instead of per kernel")
     a = ap.parse_args()
 
     import numpy as np
@@ -69,9 +71,20 @@ def main() -> int:
             check(cu.cuEventSynchronize(e1))
             if rep >= 2:
                 times[i].append(check(cu.cuEventElapsedTime(e0, e1)) * 1e3)
+    import re
+
+    def label(x) -> str:
+        """The kernel, and with --by-shape the weight a matrix kernel reads (layers' names without the index)."""
+        if a.by_shape and x.kernel.startswith(("gemv_", "gemm_")):
+            for b, _ in x.reads:
+                m = re.match(r"(?:layers\.\d+\.)?(qkv|o|gate_up|down|lm_head|embed)(?:\.|$)", b)
+                if m:
+                    return f"{x.kernel} [{m.group(1)}]"
+        return x.kernel
+
     per = collections.defaultdict(lambda: [0, 0.0, 0])
     for i, x in enumerate(phase.launches):
-        k = per[x.kernel]
+        k = per[label(x)]
         k[0] += 1
         k[1] += statistics.median(times[i])
         k[2] += sum(b for _, b in x.reads) + sum(b for _, b in x.writes)
@@ -87,7 +100,7 @@ def main() -> int:
         print(f"{res['bundle']} on {res['gpu']}: {phase.phase} {a.tokens} at context {a.context}, "
               f"{len(phase.launches)} launches, {total:.0f} us of kernel time; copy bandwidth {bw / 1e12:.2f} TB/s")
         for r in rows:
-            print(f"  {r['kernel']:26s} x{r['launches']:4d} {r['us']:9.1f} us {100 * r['us'] / total:5.1f}%  "
+            print(f"  {r['kernel']:36s} x{r['launches']:4d} {r['us']:9.1f} us {100 * r['us'] / total:5.1f}%  "
                   f"{r['bytes'] / 1e6:9.2f} MB {r['GBps']:7.0f} GB/s ({r['pct_of_copy_bw']:3.0f}% of copy)")
     ex.close()
     return 0
