@@ -71,7 +71,7 @@ class CudaExecutor:
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
         self.arena = DeviceArena(p, bundle, self.stream, self.gpu_name)
         self.phases = {(ph.phase, ph.tokens): BoundPhase(ph, self.module, self.arena, p.symbols) for ph in p.phases}
-        self.phases[("init", 0)].run(self.stream)             # synthetic weights (empty otherwise)
+        self.phases[("init", 0)].run(self.stream)     # synthetic weights; Hopper: the fp16 copies prefill reads
         self.decode_buckets = p.buckets("decode")
         self.prefill_buckets = p.buckets("prefill")
         self.logits_buckets = p.buckets("logits")
@@ -174,33 +174,18 @@ class CudaExecutor:
         b = next(x for x in self.decode_buckets if x >= n)
         st = self.step
         check(cu.cuStreamSynchronize(self.stream))
-        if n <= 16:      # numpy scalar stores: ~2 us a row, cheaper than 11 vector stores' fixed cost
-            for i, r in enumerate(rows):
-                seq = self._seqs[r.sid]
-                p = r.params
-                st["tokens"][i], st["positions"][i] = r.token, r.position
-                st["kv_slots"][i] = self._kv_slot(seq, r.position)
-                st["seq_slot"][i], st["seq_len"][i] = seq.slot, r.position + 1
-                st["temperature"][i] = p.temperature if p else 0.0
-                st["top_k"][i] = p.top_k if p else 0
-                st["top_p"][i] = p.top_p if p else 1.0
-                st["min_p"][i] = p.min_p if p else 0.0
-                st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
-                st["step"][i] = r.position
-        else:            # one vector store per field (at 64 rows 88 us against 127 us for the loop)
-            seqs = [self._seqs[r.sid] for r in rows]
-            params = [r.params for r in rows]
-            st["tokens"][:n] = [r.token for r in rows]
-            st["positions"][:n] = [r.position for r in rows]
-            st["step"][:n] = st["positions"][:n]
-            st["seq_len"][:n] = st["positions"][:n] + 1
-            st["kv_slots"][:n] = [self._kv_slot(seq, r.position) for seq, r in zip(seqs, rows)]
-            st["seq_slot"][:n] = [seq.slot for seq in seqs]
-            st["temperature"][:n] = [p.temperature if p else 0.0 for p in params]
-            st["top_k"][:n] = [p.top_k if p else 0 for p in params]
-            st["top_p"][:n] = [p.top_p if p else 1.0 for p in params]
-            st["min_p"][:n] = [p.min_p if p else 0.0 for p in params]
-            st["seed"][:n] = [(p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF for p in params]
+        for i, r in enumerate(rows):
+            seq = self._seqs[r.sid]
+            p = r.params
+            st["tokens"][i], st["positions"][i] = r.token, r.position
+            st["kv_slots"][i] = self._kv_slot(seq, r.position)
+            st["seq_slot"][i], st["seq_len"][i] = seq.slot, r.position + 1
+            st["temperature"][i] = p.temperature if p else 0.0
+            st["top_k"][i] = p.top_k if p else 0
+            st["top_p"][i] = p.top_p if p else 1.0
+            st["min_p"][i] = p.min_p if p else 0.0
+            st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
+            st["step"][i] = r.position
         for name, pad in (("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1),
                           ("temperature", 0.0)):      # padding rows: the padding slot and page, greedy
             st[name][n:b] = pad

@@ -27,10 +27,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
+from impc.launches import wg_smem_bytes  # noqa: E402
 from imp_runtime.cuda_driver import Module, check, tensor_map  # noqa: E402
 from imp_runtime.nvfp4 import dequantize  # noqa: E402
 
-WG_SMEM = {128: 6 * (128 + 128) * 64 * 2 + 1024 + 256, 256: 4 * (128 + 256) * 64 * 2 + 1024 + 256}
+WG_SMEM = {bn: wg_smem_bytes(bn) for bn in (128, 256)}
 
 
 def launch(mod: Module, name: str, grid, block, smem: int, args: list, stream) -> None:

@@ -39,6 +39,24 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
+def hf_greedy(model, prompt: list[int], steps: int):
+    """transformers' logits [len(prompt) + steps, vocab] for every prompt position, then for each of `steps`
+    greedy decode steps through its KV cache, and the greedy tokens it fed back (the oracle of the
+    long-context and SmolLM2 tests)."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        rows, past, fed = [out.logits[0].numpy()], out.past_key_values, []
+        for _ in range(steps):
+            fed.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[fed[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            rows.append(out.logits[0].numpy())
+    return np.concatenate(rows), fed
+
+
 def write_tokenizer(path: Path, vocab_size: int) -> None:
     """A word-level tokenizer over the tiny vocabulary (the logits tests feed ids directly)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

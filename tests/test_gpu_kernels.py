@@ -118,16 +118,22 @@ def put_activation(ex, name: str, a: np.ndarray, fmt: int) -> np.ndarray:
 
 def random_weights(ex, x, w_args: list[int], n: int, k: int, rng, tiny_rows: int = 0) -> np.ndarray:
     """Random weights [n, k] with row scales spanning 30x (the first tiny_rows scaled by 1e-4, so their block
-    scales sit far below the tensor's) written over the launch's weight buffers; their exact values."""
+    scales sit far below the tensor's) written over the launch's weight buffers (its arguments w_args: codes,
+    scales and tscale of NVFP4, or one bf16 buffer); their exact values."""
+    return put_random_weights(ex, [buf(x, i) for i in w_args], n, k, rng, tiny_rows)
+
+
+def put_random_weights(ex, names: list[str], n: int, k: int, rng, tiny_rows: int = 0) -> np.ndarray:
+    """random_weights over named buffers (NVFP4 codes, scales, tscale; or one bf16 buffer)."""
     from impc.quantize import quantize_nvfp4
     w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
     w[:tiny_rows] *= 1e-4
-    if len(w_args) == 3:
+    if len(names) == 3:
         q = quantize_nvfp4(w)
-        for i, arr in zip(w_args, (q.codes, q.scales, q.tscale)):
-            put(ex, buf(x, i), arr)
+        for name, arr in zip(names, (q.codes, q.scales, q.tscale)):
+            put(ex, name, arr)
         return q.dequantize()
-    put(ex, buf(x, w_args[0]), bf16_bits(w))
+    put(ex, names[0], bf16_bits(w))
     return bf16_round(w)
 
 
@@ -170,17 +176,12 @@ def check_wgmma(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: di
     """The Hopper prefill GEMM (TMA + wgmma): its operands are tensor maps; NVFP4 weights reach it as the
     fp16 expansion that dequant_nvfp4_f16 writes, at load (the init phase) or just before it."""
     from imp_runtime.activation_formats import gfmt
-    from impc.quantize import quantize_nvfp4
     a_name, w_name, out = x.args[0]["tmap"]["ptr"], x.args[1]["tmap"]["ptr"], buf(x, 2)
     n, k, mode = scalar(x, 6), scalar(x, 7), scalar(x, 8)
     if x.kernel.endswith("_f16"):
         lin = buf(x, 3)[:-len(".tscale")]
-        w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
-        w[:min(40, n // 4)] *= 1e-4
-        q = quantize_nvfp4(w)
-        for suffix, arr in (("codes", q.codes), ("scales", q.scales), ("tscale", q.tscale)):
-            put(ex, f"{lin}.{suffix}", arr)
-        wref = q.dequantize()
+        wref = put_random_weights(ex, [f"{lin}.codes", f"{lin}.scales", f"{lin}.tscale"], n, k, rng,
+                                  tiny_rows=min(40, n // 4))
         poison(ex, w_name)
         expand = [(ph, i) for ph, launches in (("init", ex.program.phase("init", 0).launches),
                                                 (phase, ex.program.phase(phase, tokens).launches[:index]))
@@ -193,9 +194,7 @@ def check_wgmma(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: di
         if mode >= 2:
             return check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, afmt, wref)
     else:
-        w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
-        put(ex, w_name, bf16_bits(w))
-        wref = bf16_round(w)
+        wref = put_random_weights(ex, [w_name], n, k, rng)
         afmt = gfmt("bf16")
     check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, TOL, wref)
 

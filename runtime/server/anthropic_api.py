@@ -12,7 +12,8 @@ import json
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from imp_runtime.server.dialect import check_tool_set, event_stream, messages_of, named_sse, run_to_end, text_of
+from imp_runtime.server.dialect import (block_events, check_tool_set, event_stream, messages_of, named_sse,
+                                         run_to_end, text_of)
 from imp_runtime.server.errors import anthropic_error_body, bad_request
 from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop
 from imp_runtime.server.service import Choice, Service, new_id
@@ -226,12 +227,8 @@ async def messages(svc: Service, request: Request, body: dict):
         yield event("message_start", {"message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
-        async for _, ev in svc.merged([job]):
-            blocks.add(choice.add(ev), choice)
-            if ev.finish_reason:
-                blocks.finish()
-            for kind, data in blocks.take_events():
-                yield event(kind, data)
+        async for kind, data in block_events(svc, job, choice, blocks):
+            yield event(kind, data)
         reason, seq = stop_info()
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                       "usage": anthropic_usage(len(ids), choice)})

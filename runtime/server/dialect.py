@@ -112,6 +112,17 @@ def named_sse(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+async def block_events(svc: Service, job: Job, choice, builder) -> AsyncIterator[tuple[str, dict]]:
+    """One choice's stream as (kind, data) events: each token's parts go to the dialect's builder (Anthropic's
+    content blocks, the Responses API's output items), which says which events are final so far."""
+    async for _, ev in svc.merged([job]):
+        builder.add(choice.add(ev), choice)
+        if ev.finish_reason:
+            builder.finish()
+        for item in builder.take_events():
+            yield item
+
+
 def event_stream(svc: Service, jobs: list[Job], events: AsyncIterator[str],
                  error_event: Callable[[APIError], str], last: str | None = None) -> StreamingResponse:
     """Stream `events`; a failure on the way (a failed generation, or a bug) ends the stream with the

@@ -68,7 +68,6 @@ class FairQueue:
         cfg.step_tokens = max(cfg.step_tokens, cfg.max_running)
         self.jobs: dict[int, Job] = {}            # id(request) -> job, owned by the worker
         self.cond = threading.Condition()
-        self._batch: list | None = None     # the worker's events of one step, handed over together
         self.stopped = False
         self.thread = threading.Thread(target=self._work, name="imp-generation", daemon=True)
         self.thread.start()
@@ -148,13 +147,7 @@ class FairQueue:
                 log.exception("scheduler step failed")
                 outputs = self._fail_all(e)
             with self.cond:
-                self._batch = []
-                try:
-                    for out in outputs:
-                        self._emit(out)
-                finally:
-                    batch, self._batch = self._batch, None
-                self._flush(batch)
+                self._flush([item for item in map(self._emit, outputs) if item is not None])
                 self._gauges()
 
     def _fail_all(self, error: Exception) -> list[StepOutput]:
@@ -164,18 +157,18 @@ class FairQueue:
             outs.append(StepOutput(job.request, error=error))
         return outs
 
-    def _emit(self, out: StepOutput) -> None:
+    def _emit(self, out: StepOutput) -> tuple[Job, object] | None:
+        """Account one step output; the (job, item) its client gets, or None for a gone client."""
         job = self.jobs.get(id(out.request))
         if job is None or job.cancelled:
-            return
+            return None
         if out.error is not None:
             e = out.error
             if not isinstance(e, RequestError):
                 log.error("generation failed", exc_info=e)
             self.jobs.pop(id(out.request), None)
-            self._deliver(job, APIError(400, str(e)) if isinstance(e, RequestError)
-                          else APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-            return
+            return job, (APIError(400, str(e)) if isinstance(e, RequestError)
+                         else APIError(500, f"generation failed: {type(e).__name__}: {e}"))
         ev = out.event
         now = time.perf_counter()
         if job.generated == 0:
@@ -188,13 +181,7 @@ class FairQueue:
         self.metrics.generation_tokens.inc()
         if ev.finish_reason:
             self.jobs.pop(id(out.request), None)
-        self._deliver(job, ev)
-
-    def _deliver(self, job: Job, item) -> None:
-        if self._batch is not None and threading.current_thread() is self.thread:   # a step's emission
-            self._batch.append((job, item))
-            return
-        self._flush([(job, item)])
+        return job, ev
 
     def _flush(self, batch: list) -> None:
         """Hand a step's events to their event loops: one call_soon_threadsafe per loop, not per token (each

@@ -9,7 +9,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from imp_runtime.server.dialect import event_stream, named_sse, nonempty_list, run_to_end
+from imp_runtime.server.dialect import block_events, event_stream, named_sse, nonempty_list, run_to_end
 from imp_runtime.server.errors import APIError, bad_request, openai_error_body
 from imp_runtime.server.fields import get_bool, get_int, get_obj, get_str
 from imp_runtime.server.openai_api import content_text, format_grammar, parse_tools
@@ -185,12 +185,8 @@ async def responses(svc: Service, request: Request, body: dict):
     async def body_iter():
         yield event("response.created", {"response": response("in_progress", [])})
         yield event("response.in_progress", {"response": response("in_progress", [])})
-        async for _, ev in svc.merged([job]):
-            builder.add(choice.add(ev), choice)
-            if ev.finish_reason:
-                builder.finish()
-            for kind, data in builder.take_events():
-                yield event(kind, data)
+        async for kind, data in block_events(svc, job, choice, builder):
+            yield event(kind, data)
         status = final_status()
         yield event(f"response.{status}", {"response": response(status, builder.items)})
     return event_stream(svc, [job], body_iter(), error_event)
