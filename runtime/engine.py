@@ -190,11 +190,25 @@ class Generation:
         return self._event(tok, None)
 
     def _event(self, tok: int, scored: np.ndarray | None) -> TokenEvent:
-        """Record the sampled token and say what text it adds."""
-        p, constraint = self.params, self.constraint
+        self.record(tok)
+        return self.describe(tok, scored)
+
+    # The two halves of taking a token. A pipelining scheduler calls `record` before it launches the next
+    # step (which feeds this token) and `describe` while the device computes that step.
+
+    def record(self, tok: int) -> bool:
+        """The cheap half: the token joins the sequence. True when it ends the generation whatever its text
+        says (an end-of-sequence or stop token, the token budget); `describe` may also end it on a stop
+        string or a finished constraint (a constrained request samples on the host: never pipelined)."""
         self.out.append(tok)
-        if constraint:
-            constraint.advance(tok)
+        if self.constraint:
+            self.constraint.advance(tok)
+        return tok in self.stop_ids or len(self.out) == self.budget
+
+    def describe(self, tok: int, scored: np.ndarray | None) -> TokenEvent:
+        """The rest, for the token `record` took last: its logprobs, the text it adds (detokenizing, the
+        stop-string hold-back) and whether it ends the generation."""
+        p, constraint = self.params, self.constraint
         lp, top = None, []
         if p.logprobs is not None:
             ls = log_softmax(scored)

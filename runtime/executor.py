@@ -9,11 +9,17 @@ pages 1 .. num_pages - 1 are the usable pool.
 A decode step samples on the device with each row's parameters (temperature, top-k, top-p, min-p,
 seed); a row's logits come back to the host only when the row asks for them (logprobs, penalties or a
 token-mask constraint, which the engine then applies on the host).
+
+A decode step is launched and read in two calls, so the host can work while the device computes:
+`decode_submit` writes the step's values and launches it, `decode_collect` waits for it and reads the
+sampled tokens. Between them the caller may do host work and call `set_pages`, `new_sequence`, `free` and
+`prefill` (device work queued behind the step, in order); it must collect a step before submitting the
+next. `decode` is both at once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,6 +49,7 @@ class Executor(Protocol):
     max_batch: int                      # most rows in one decode step
     max_context: int                    # most positions in one sequence
     prefill_chunk: int                  # most tokens one prefill call takes (callers chunk longer prompts)
+    async_decode: bool                  # decode_submit returns before the step is computed (worth pipelining)
 
     def new_sequence(self) -> int: ...
     def set_pages(self, sid: int, pages: list[int]) -> None:
@@ -54,4 +61,8 @@ class Executor(Protocol):
         """Write KV for `tokens` at positions start .. start+T-1 (positions < start must already hold KV:
         a cached prefix or earlier chunks) and return the logits of the last token [V], or of all [T, V]."""
     def decode(self, rows: list[StepRow]) -> StepResult:
-        """One token for each row (1 .. max_batch rows)."""
+        """One token for each row (1 .. max_batch rows): decode_collect(decode_submit(rows))."""
+    def decode_submit(self, rows: list[StepRow]) -> Any:
+        """Launch a decode step; a handle for decode_collect. The rows' pages must already be set."""
+    def decode_collect(self, handle: Any) -> StepResult:
+        """Wait for the step `handle` launched and read its result."""

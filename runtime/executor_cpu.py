@@ -112,6 +112,7 @@ class CpuExecutor:
     w: dict[str, np.ndarray] = field(init=False, repr=False)       # embedding, norms, biases
     wt: dict[str, np.ndarray] = field(init=False, repr=False)      # linear weights, transposed
     name = "cpu"
+    async_decode = False                   # decode_submit computes the step before it returns
 
     def __post_init__(self):
         self.spec: ModelSpec = self.bundle.spec
@@ -221,6 +222,12 @@ class CpuExecutor:
             seeded = r.params is not None and r.params.seed is not None
             tokens.append(choose(logits[i], r.params, step_rng(r.params.seed, r.position + 1) if seeded else self._rng))
         return StepResult(tokens, {i: logits[i] for i, r in enumerate(rows) if r.want_logits})
+
+    def decode_submit(self, rows: list[StepRow]) -> StepResult:
+        return self.decode(rows)
+
+    def decode_collect(self, handle: StepResult) -> StepResult:
+        return handle
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         s = self.spec

@@ -38,8 +38,17 @@ class _Seq:
     pages: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Launched:
+    """A decode step queued on the stream whose results (in out_host) are not read yet."""
+    number: int                         # the executor's count of launched decode steps
+    rows: int
+    want_logits: list[int]              # rows whose logits follow the sampled ids in out_host
+
+
 class CudaExecutor:
     name = "cuda"
+    async_decode = True                 # decode_submit returns once the step is queued
 
     def __init__(self, bundle: Bundle, use_graphs: bool = True, device: int = 0):
         t0 = time.perf_counter()
@@ -85,6 +94,7 @@ class CudaExecutor:
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
+        self._launched = 0                # decode steps launched so far
         self.free_slots = list(range(self.max_seqs - 1, 0, -1))
         check(cu.cuStreamSynchronize(self.stream))
         self.use_graphs = use_graphs
@@ -168,12 +178,35 @@ class CudaExecutor:
         return out
 
     def decode(self, rows: list[StepRow]) -> StepResult:
+        return self.decode_collect(self.decode_submit(rows))
+
+    def decode_submit(self, rows: list[StepRow]) -> _Launched:
+        """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
+        ids (and asked-for logits) into out_host; no wait for the GPU."""
         n = len(rows)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"decode batch of {n} (1..{self.max_batch})")
+        # step_host is one page-locked buffer: the last copy out of it (a decode's or a prefill's) must be
+        # done before it is rewritten. A pipelining caller has collected the previous step already, so the
+        # stream is idle and this costs a few microseconds.
+        check(cu.cuStreamSynchronize(self.stream))
+        b = self._write_step_values(rows)
+        self._send_step()
+        self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
+        check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
+        want = [i for i, r in enumerate(rows) if r.want_logits]
+        row_bytes = 4 * self.vocab
+        for i in want:
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + i * row_bytes, self.arena.ptr("logits", i * row_bytes),
+                                       row_bytes, self.stream))
+        self._launched += 1
+        return _Launched(self._launched, n, want)
+
+    def _write_step_values(self, rows: list[StepRow]) -> int:
+        """The decode step's values into step_host, padding rows up to the graph bucket; the bucket."""
+        n = len(rows)
         b = next(x for x in self.decode_buckets if x >= n)
         st = self.step
-        check(cu.cuStreamSynchronize(self.stream))
         for i, r in enumerate(rows):
             seq = self._seqs[r.sid]
             p = r.params
@@ -189,18 +222,17 @@ class CudaExecutor:
         for name, pad in (("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1),
                           ("temperature", 0.0)):      # padding rows: the padding slot and page, greedy
             st[name][n:b] = pad
-        self._send_step()
-        self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
-        sampled = self.out_host.view(0, np.int32, n)
-        check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
-        want = [i for i, r in enumerate(rows) if r.want_logits]
-        row_bytes = 4 * self.vocab
-        for i in want:
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + i * row_bytes, self.arena.ptr("logits", i * row_bytes),
-                                       row_bytes, self.stream))
+        return b
+
+    def decode_collect(self, handle: _Launched) -> StepResult:
+        """Wait for the step (the driver releases the GIL while it blocks) and read out_host."""
+        if handle.number != self._launched:      # out_host holds a later step's results now
+            raise RuntimeError(f"decode step {handle.number} was collected after step {self._launched} was launched")
         check(cu.cuStreamSynchronize(self.stream))
-        logits = {i: self.out_host.view(4 * n + i * row_bytes, np.float32, self.vocab).copy() for i in want}
-        return StepResult(sampled.tolist(), logits)
+        n, row_bytes = handle.rows, 4 * self.vocab
+        sampled = self.out_host.view(0, np.int32, n).tolist()
+        logits = {i: self.out_host.view(4 * n + i * row_bytes, np.float32, self.vocab).copy() for i in handle.want_logits}
+        return StepResult(sampled, logits)
 
     # ------------------------------------------------------------------ the rest
 
