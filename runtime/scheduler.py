@@ -13,6 +13,19 @@ stay in the prefix cache, so recomputing them is usually free), it returns to th
 and when readmitted it prefills its prompt and the tokens it already produced and goes on as if never
 stopped. A request that could not fit even alone is refused when submitted.
 
+With `pipeline` on (an executor whose decode runs asynchronously, the GPU), a step launches its decode
+before it does the host work on the previous step's tokens, so that work (detokenizing, stop strings,
+events, and the caller's hand-off after `step` returns) runs while the device computes:
+  step k: collect decode N -> record its tokens (the cheap half: EOS, max tokens, length; finished
+          requests give their pages back) -> schedule and launch decode N+1 -> describe decode N's tokens
+          (text, stop strings, events) -> prefill chunks -> return decode N's events.
+A request that a stop string ends while decode N+1 is in flight has one extra position decoded: its pages
+go back at once (the in-flight step writes only into its last, partial page, which no prefix-cache entry
+names, and any later use of that page is queued behind the step), and the extra token is dropped when the
+step is collected. A step in which a running request samples on the host (logprobs, penalties,
+constraints: its next token needs its logits processed first) runs serially. Either way each request
+gets the same tokens and events.
+
 One thread steps the scheduler; `submit` and `cancel` may be called from any thread.
 """
 from __future__ import annotations
@@ -41,11 +54,13 @@ class SchedulerConfig:
     max_running: int             # requests holding an executor slot at once (at most the executor's max_batch)
     step_tokens: int             # budget of one step: one token per decode row plus prefill chunk tokens
     prefill_chunk: int           # most tokens one prefill call takes
+    pipeline: bool = False       # launch each decode before the host work on the previous one's tokens
 
     @classmethod
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
         running = min(max_running or executor.max_batch, executor.max_batch)
-        return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk)
+        return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk,
+                   pipeline=getattr(executor, "async_decode", False))
 
 
 @dataclass(eq=False)
@@ -70,21 +85,31 @@ class StepOutput:
 
 
 @dataclass
+class _InFlight:
+    """A decode step launched by the previous pipelined step and not collected yet."""
+    handle: object               # the executor's, for decode_collect
+    rows: list[Request]
+
+
+@dataclass
 class StepTimes:
     """Where the stepping thread's time goes (seconds, summed over steps): the executor's decode and prefill
     calls (launches and the wait for the GPU) and everything else of a step (deciding, sampling on the host,
-    detokenizing, stop strings). With IMP_STEP_STATS=N set, a log line every N steps."""
+    detokenizing, stop strings), of which `hidden_s` ran while a pipelined decode was on the device. With
+    IMP_STEP_STATS=N set, a log line every N steps."""
     steps: int = 0
     decode_rows: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
     total_s: float = 0.0
+    hidden_s: float = 0.0
 
     def line(self) -> str:
         n = max(self.steps, 1)
         host = self.total_s - self.decode_s - self.prefill_s
         return (f"{self.steps} steps, {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
-                f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f}")
+                f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f} "
+                f"(of which {1e3 * self.hidden_s / n:.2f} while the device decodes)")
 
 
 _log = logging.getLogger("imp.scheduler")
@@ -98,6 +123,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._inbox: collections.deque[Request] = collections.deque()   # submitted, not yet seen by a step
         self._lock = threading.Lock()      # held by a step; cancel frees pages at once when it is free
+        self._in_flight: _InFlight | None = None    # pipelined: the decode launched by the last step
         self.times = StepTimes()
         # counters for metrics
         self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
@@ -151,13 +177,26 @@ class Scheduler:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
             self._reap_cancelled()
+            out, landed = self._land()
+            # a host-sampled request's next token needs its logits processed first: such a step runs serially
+            pipelined = self.config.pipeline and not any(r.gen.host_sampled for r in self.running)
+            if not pipelined:       # stop strings end requests before the step is decided, as in a serial run
+                out += self._describe(landed)
             preempted = self.preemptions
             rows = self._schedule_decode()
             chunks = self._schedule_prefill(self.config.step_tokens - len(rows), admit=self.preemptions == preempted)
             if self.preemptions != preempted:      # victims may have been scheduled before they were chosen
                 rows = [r for r in rows if r.sid is not None]
                 chunks = [(r, n) for r, n in chunks if r.sid is not None]
-            out = self._run_decode(rows) + self._run_prefill(chunks)
+            if pipelined:
+                out += self._launch(rows)
+                t0 = time.perf_counter()
+                out += self._describe(landed)      # while the device decodes the next step
+                if self._in_flight:
+                    self.times.hidden_s += time.perf_counter() - t0
+            else:
+                out += self._run_decode(rows)
+            out += self._run_prefill(chunks)
             self._reap_cancelled()
             return [o for o in out if not o.request.cancelled]
 
@@ -243,15 +282,20 @@ class Scheduler:
             self.executor.set_pages(req.sid, list(req.table.pages))
             req.pages_sent = len(req.table.pages)
 
-    def _run_decode(self, rows: list[Request]) -> list[StepOutput]:
-        if not rows:
-            return []
+    def _step_rows(self, rows: list[Request]) -> list[StepRow]:
         step = []
         for req in rows:
             self._send_pages(req)
             g = req.gen
             step.append(StepRow(req.sid, g.pending, req.computed, None if g.host_sampled else g.params,
                                 want_logits=g.host_sampled))
+        return step
+
+    def _run_decode(self, rows: list[Request]) -> list[StepOutput]:
+        """A decode step from launch to events (the serial path)."""
+        if not rows:
+            return []
+        step = self._step_rows(rows)
         t0 = time.perf_counter()
         try:
             result = self.executor.decode(step)
@@ -268,6 +312,54 @@ class Scheduler:
             out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
                                      else g.on_token(result.tokens[i])))
         return out
+
+    def _launch(self, rows: list[Request]) -> list[StepOutput]:
+        """The pipelined path, first half: launch the decode step and leave it in flight."""
+        if not rows:
+            return []
+        step = self._step_rows(rows)
+        t0 = time.perf_counter()
+        try:
+            self._in_flight = _InFlight(self.executor.decode_submit(step), rows)
+        except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
+            return [self._fail(req, e) for req in rows]
+        finally:
+            self.times.decode_s += time.perf_counter() - t0
+            self.times.decode_rows += len(rows)
+        return []
+
+    def _land(self) -> tuple[list[StepOutput], list[tuple[Request, int]]]:
+        """The pipelined path, second half: collect the step in flight and record each live row's token (the
+        cheap half of taking it, which the next step's scheduling needs); requests it ends give their pages
+        back now. Returns the failures and the (request, token) pairs still to describe. A row whose request
+        ended meanwhile (cancelled, or a stop string in the previous token) is dropped with its token."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return [], []
+        live = [(i, req) for i, req in enumerate(flight.rows) if not req.done]
+        if not live:       # nobody wants these tokens; the executor needs no collect before its next launch
+            return [], []
+        t0 = time.perf_counter()
+        try:
+            result = self.executor.decode_collect(flight.handle)
+        except Exception as e:  # noqa: BLE001
+            return [self._fail(req, e) for _, req in live], []
+        finally:
+            self.times.decode_s += time.perf_counter() - t0
+        landed = []
+        for i, req in live:
+            tok = result.tokens[i]
+            req.computed += 1
+            if req.computed % self.blocks.page_size == 0:
+                self.blocks.commit(req.table, req.gen.tokens(), req.computed)
+            if req.gen.record(tok):
+                self._finish(req)
+            landed.append((req, tok))
+        return [], landed
+
+    def _describe(self, landed: list[tuple[Request, int]]) -> list[StepOutput]:
+        """The expensive half of taking each landed token: its text, stop strings, its event."""
+        return [self._advance(req, lambda g, tok=tok: g.describe(tok, None)) for req, tok in landed]
 
     def _run_prefill(self, chunks: list[tuple[Request, int]]) -> list[StepOutput]:
         out = []

@@ -1,0 +1,180 @@
+"""The pipelined scheduler (each decode launched before the host work on the previous step's tokens) gives
+every request exactly the events of the serial scheduler: tokens, text, finish reasons, cached tokens,
+through stop strings found a step late, stop tokens, max tokens, host-sampled requests (which force
+serial steps), preemption and cancellation mid-stream, with every KV page back afterwards. The oracle is
+the serial scheduler on the same kind of executor. The pipelined runs go on the cpu executor (which
+computes a step when it is submitted), on a stand-in that orders work as a GPU stream does (a submitted
+step runs only when a later call queued behind it arrives, after the host has moved on), and, where a
+GPU is present, on the cuda executor (the tiny qwen3 GPU test bundle)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from imp_runtime.engine import Engine
+from imp_runtime.kv_blocks import BlockManager
+from imp_runtime.sampler import SamplingParams
+
+try:
+    from tests.gpu_common import gpu_bundle, have_gpu
+except ImportError:
+    from gpu_common import gpu_bundle, have_gpu
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+PENALISED = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)  # host-sampled
+
+
+# where a pipelined run goes: the cpu executor, StreamOrdered over it, the cuda executor
+MODES = ["cpu", "stream", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not have_gpu(),
+                                                                                     reason="needs an NVIDIA GPU")])]
+
+
+class StreamOrdered:
+    """A cpu executor that runs work in the order of a GPU stream: a submitted decode step is computed only
+    when a call the stream would queue behind it comes (collect, prefill, set_pages, the next submit),
+    with the rows' pages as they were when submitted; host-only calls (new_sequence, free) do not wait."""
+    async_decode = True
+
+    def __init__(self, ex):
+        self.ex = ex
+        self.launched = 0
+        self.queued = None                   # (number, rows, the rows' sequences at submit)
+        self.results: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.ex, name)
+
+    def _flush(self) -> None:
+        if self.queued is None:
+            return
+        number, rows, seqs = self.queued
+        self.queued = None
+        live = self.ex._seqs
+        self.ex._seqs = {**live, **seqs}     # a row freed meanwhile still writes where the stream says
+        try:
+            self.results[number] = self.ex.decode(rows)
+        finally:
+            self.ex._seqs = live
+
+    def decode_submit(self, rows):
+        self._flush()
+        self.launched += 1
+        self.results = {}
+        self.queued = (self.launched, list(rows), {r.sid: self.ex._seqs[r.sid] for r in rows})
+        return self.launched
+
+    def decode_collect(self, handle):
+        self._flush()
+        return self.results.pop(handle)
+
+    def decode(self, rows):
+        return self.decode_collect(self.decode_submit(rows))
+
+    def prefill(self, *args, **kwargs):
+        self._flush()
+        return self.ex.prefill(*args, **kwargs)
+
+    def set_pages(self, sid, pages):
+        self._flush()
+        self.ex.set_pages(sid, pages)
+
+
+@pytest.fixture
+def engines(bundles):
+    """engines(mode, pipeline, kv_tokens=None) -> an Engine on mode's executor (serial ones: on stream's and
+    cpu's the cpu executor), its scheduler pipelined or not; kv_tokens: a block manager of that many
+    tokens' pages, so requests get preempted."""
+    made: list[Engine] = []
+
+    def make(mode: str, pipeline: bool, kv_tokens: int | None = None) -> Engine:
+        if mode == "cuda":
+            eng = Engine(gpu_bundle("qwen3"), device="cuda", verify=False)
+        else:
+            eng = Engine(bundles("llama_tied", "bf16"), device="cpu")
+        made.append(eng)
+        eng.scheduler.config.pipeline = pipeline
+        if mode == "stream" and pipeline:
+            eng.executor = eng.scheduler.executor = StreamOrdered(eng.executor)
+        if kv_tokens:
+            eng.blocks = eng.scheduler.blocks = BlockManager(kv_tokens // eng.executor.page_size + 1,
+                                                             eng.executor.page_size)
+        return eng
+    yield make
+    for eng in made:
+        if hasattr(eng.executor, "close"):
+            eng.executor.close()
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 384, length + 3 * i).tolist() for i in range(n)]
+
+
+def run(eng: Engine, cases, cancel: int | None = None, cancel_after: int = 0):
+    """Serve every (prompt, params) together; the events of each. cancel: the index of a request cancelled
+    between steps once it has cancel_after events (returned: its pages and the pages in use before)."""
+    reqs = [eng.submit(p, params) for p, params in cases]
+    events = {id(r): [] for r in reqs}
+    freed = None
+    while not all(r.done for r in reqs):
+        for out in eng.scheduler.step():
+            assert out.error is None, out.error
+            events[id(out.request)].append(out.event)
+        if cancel is not None and freed is None and len(events[id(reqs[cancel])]) >= cancel_after:
+            victim = reqs[cancel]
+            before, pages = eng.blocks.in_use(), len(victim.table.pages)
+            eng.scheduler.cancel(victim)          # between steps: its next decode may be in flight
+            freed = (before, pages, eng.blocks.in_use(), victim.done)
+    assert eng.blocks.in_use() == 0 and not any(eng.blocks.refs) and not eng.executor._seqs   # all back
+    return [events[id(r)] for r in reqs], reqs, freed
+
+
+def text(events) -> str:
+    return "".join(e.text for e in events)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_events_equal_serial_through_stops_and_host_sampling(engines, mode):
+    ps = prompts(6, 20, seed=21)
+    # stop conditions taken from a serial run: a two-token string from the middle of one answer (found a
+    # step late, with its first token held back), and a token of another answer as a stop token
+    probe, _, _ = run(engines(mode, False), [(ps[2], SEEDED), (ps[3], SEEDED)])
+    stop_string = text(probe[0][7:9]).strip()
+    stop_token = probe[1][10].token_id
+    assert stop_string and stop_string not in text(probe[0][:7])
+    cases = [(ps[0], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
+             (ps[1], SEEDED),
+             (ps[2], SamplingParams(**{**vars(SEEDED), "stop": [stop_string]})),
+             (ps[3], SamplingParams(**{**vars(SEEDED), "stop_token_ids": [stop_token]})),
+             (ps[4], PENALISED),                   # host-sampled: steps run serially until it ends
+             (ps[5], GREEDY)]
+    serial, _, _ = run(engines(mode, False), cases)
+    eng = engines(mode, True)
+    piped, _, _ = run(eng, cases)
+    assert piped == serial
+    assert eng.scheduler.times.hidden_s > 0                      # some steps did run pipelined
+    reasons = [evs[-1].finish_reason for evs in serial]
+    assert reasons == ["length", "length", "stop", "stop", "length", "length"]
+    assert len(serial[2]) < 40 and stop_string not in text(serial[2])
+    assert serial[3][-1].token_id == stop_token and len(serial[3]) <= 11
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_preemption_gives_the_serial_events(engines, mode):
+    # 4 requests of ~75 tokens in a pool of 176 tokens: the newest running one is preempted
+    cases = list(zip(prompts(4, 30, seed=5), [GREEDY, SEEDED, GREEDY, SEEDED]))
+    serial, _, _ = run(engines(mode, False, kv_tokens=176), cases)
+    piped, reqs, _ = run(engines(mode, True, kv_tokens=176), cases)
+    assert sum(r.preemptions for r in reqs) >= 1
+    assert piped == serial
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_cancellation_frees_pages_at_once(engines, mode):
+    cases = [(p, GREEDY) for p in prompts(3, 40, seed=7)]
+    serial, _, _ = run(engines(mode, False), cases)
+    piped, _, (before, pages, after, done) = run(engines(mode, True), cases, cancel=1, cancel_after=4)
+    assert done and pages >= 3 and after == before - pages
+    assert piped[0] == serial[0] and piped[2] == serial[2]
+    assert 4 <= len(piped[1]) < len(serial[1]) and piped[1] == serial[1][:len(piped[1])]
