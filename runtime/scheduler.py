@@ -16,15 +16,15 @@ stopped. A request that could not fit even alone is refused when submitted.
 With `pipeline` on (an executor whose decode runs asynchronously, the GPU), a step launches its decode
 before it does the host work on the previous step's tokens, so that work (detokenizing, stop strings,
 events, and the caller's hand-off after `step` returns) runs while the device computes:
-  step k: collect decode N -> record its tokens (the cheap half: EOS, max tokens, length; finished
-          requests give their pages back) -> schedule and launch decode N+1 -> describe decode N's tokens
-          (text, stop strings, events) -> prefill chunks -> return decode N's events.
+  step k: collect decode N -> record its tokens (the cheap half: end-of-sequence and token-budget
+          finishes, whose requests give their pages back) -> schedule and launch decode N+1 -> describe
+          decode N's tokens (text, stop strings, events) -> prefill chunks -> return decode N's events.
 A request that a stop string ends while decode N+1 is in flight has one extra position decoded: its pages
 go back at once (the in-flight step writes only into its last, partial page, which no prefix-cache entry
 names, and any later use of that page is queued behind the step), and the extra token is dropped when the
 step is collected. A step in which a running request samples on the host (logprobs, penalties,
 constraints: its next token needs its logits processed first) runs serially. Either way each request
-gets the same tokens and events.
+gets the same tokens and events. IMP_PIPELINE=0 in the environment turns pipelining off (to compare).
 
 One thread steps the scheduler; `submit` and `cancel` may be called from any thread.
 """
@@ -60,7 +60,7 @@ class SchedulerConfig:
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
         running = min(max_running or executor.max_batch, executor.max_batch)
         return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk,
-                   pipeline=getattr(executor, "async_decode", False))
+                   pipeline=getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0")
 
 
 @dataclass(eq=False)
@@ -204,10 +204,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Request]:
         rows: list[Request] = []
+        page_size = self.blocks.page_size
         for req in list(self.running):
             if req.sid is None or req.computed < req.gen.kv_length:       # preempted above, or prefilling
                 continue
-            if self._make_room(req, req.computed + 1, may_preempt_self=True):
+            # most steps the next position's page is there already (one step in page_size needs a new one)
+            if req.computed < len(req.table.pages) * page_size or self._make_room(req, req.computed + 1,
+                                                                                   may_preempt_self=True):
                 rows.append(req)
         return rows
 

@@ -62,6 +62,8 @@ class SimulatedGpu:
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
         self.device_free_at = 0.0        # when the simulated device finishes the work queued on it
+        self.idle_s = 0.0                # the device's idle time between a step's end and the next launch
+        self.wake_s = 0.0                # of which the host took to wake from the wait (the GIL, the OS)
 
     def new_sequence(self) -> int:
         sid, self._next = self._next, self._next + 1
@@ -79,7 +81,9 @@ class SimulatedGpu:
 
     def decode_submit(self, rows: list[StepRow]):
         self._write_step_values(rows)
-        self.device_free_at = max(time.perf_counter(), self.device_free_at) + self.gpu_s
+        now = time.perf_counter()
+        self.idle_s += max(now - self.device_free_at, 0.0)
+        self.device_free_at = max(now, self.device_free_at) + self.gpu_s
         return self.device_free_at, self.rng.integers(0, self.vocab, len(rows)).tolist()
 
     def decode_collect(self, handle) -> StepResult:
@@ -87,48 +91,64 @@ class SimulatedGpu:
         wait = done_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+            self.wake_s += time.perf_counter() - done_at
         return StepResult(tokens)
 
     def decode(self, rows: list[StepRow]) -> StepResult:
         return self.decode_collect(self.decode_submit(rows))
 
 
-class ProfiledQueue(FairQueue):
-    """The server's queue; its worker thread goes under `profiler` from the first step after it is set."""
+class MeasuredQueue(FairQueue):
+    """The server's queue; once armed, its worker thread's CPU time per step (the step and the hand-off,
+    not its waits: a figure the other load on the machine barely moves), and a cProfile of it if asked."""
+    armed = False
     profiler: cProfile.Profile | None = None
+    cpu_first: float | None = None
+    cpu_last = 0.0
+    cpu_steps = 0
 
     def _work(self) -> None:
-        step, on = self.scheduler.step, []
+        step = self.scheduler.step
 
-        def profiled_step():
-            if self.profiler and not on:
-                self.profiler.enable()      # this thread's calls from now on, the hand-off included
-                on.append(True)
+        def measured_step():
+            if self.armed:
+                now = time.thread_time()
+                if self.cpu_first is None:
+                    self.cpu_first = now
+                    if self.profiler:
+                        self.profiler.enable()      # this thread's calls from now on, the hand-off included
+                self.cpu_last, self.cpu_steps = now, self.cpu_steps + 1
             return step()
-        self.scheduler.step = profiled_step
+        self.scheduler.step = measured_step
         try:
             super()._work()
         finally:
-            if on:
+            if self.profiler and self.cpu_first is not None:
                 self.profiler.disable()
+
+    def cpu_ms_per_step(self) -> float:
+        return 1e3 * (self.cpu_last - (self.cpu_first or 0.0)) / max(self.cpu_steps - 1, 1)
 
 
 def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool, stops: list[str],
-          profile: bool) -> dict:
+          profile: bool, loop_us: float) -> dict:
     bundle = load_bundle(bundle_path, verify=False)
     tok_vocab = Tokenizer(bundle.tokenizer_json(), bundle.manifest["tokenizer"]).vocab_size
     engine_module.make_executor = lambda b, device, kv_pages: SimulatedGpu(b, gpu_ms / 1e3, tok_vocab)
     eng = engine_module.Engine(bundle_path, verify=False, max_running=rows)
     eng.scheduler.config.pipeline = pipeline
     profiler = cProfile.Profile() if profile else None
-    q = ProfiledQueue(eng, Metrics(), max_running=rows)
+    q = MeasuredQueue(eng, Metrics(), max_running=rows)
     params = SamplingParams(max_tokens=eng.max_context - 64, temperature=0.8, ignore_eos=True, stop=stops)
     rng = np.random.default_rng(1)
     result: dict = {}
 
     async def consume(job, counts):
-        async for _ in job.stream():
+        async for ev in job.stream():
             counts[0] += 1
+            busy_until = time.perf_counter() + loop_us / 1e6      # the HTTP side's work on the event (GIL held)
+            while time.perf_counter() < busy_until:
+                pass
 
     async def main():
         counts = [0]
@@ -139,7 +159,9 @@ def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool
         await asyncio.sleep(0.2)                         # a few steps of steady decoding first
         t = eng.scheduler.times
         t.__init__()
-        q.profiler = profiler
+        gpu = eng.executor
+        gpu.idle_s = gpu.wake_s = 0.0
+        q.profiler, q.armed = profiler, True
         tokens0, t0 = counts[0], time.perf_counter()
         while t.steps < steps:
             await asyncio.sleep(0.01)
@@ -147,7 +169,9 @@ def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool
         result.update(steps_per_s=t.steps / wall, tokens_per_s=tokens / wall, line=t.line(),
                       host_ms=1e3 * (t.total_s - t.decode_s - t.prefill_s) / max(t.steps, 1),
                       hidden_ms=1e3 * t.hidden_s / max(t.steps, 1),
-                      between_ms=1e3 * (wall - t.total_s) / max(t.steps, 1))
+                      between_ms=1e3 * (wall - t.total_s) / max(t.steps, 1),
+                      idle_ms=1e3 * gpu.idle_s / max(t.steps, 1), wake_ms=1e3 * gpu.wake_s / max(t.steps, 1),
+                      cpu_ms=q.cpu_ms_per_step())
         for j in jobs:
             q.cancel(j)
         q.close(wait_s=1.0)
@@ -170,18 +194,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--stop", action="append", default=[], help="a stop string every request carries")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--loop-us", type=float, default=0.0, help="Python work the event loop does per event "
+                    "(formatting and sending it), holding the GIL")
     ap.add_argument("--switch-ms", type=float, help="sys.setswitchinterval: how long a thread may hold the GIL "
                     "while another waits for it (Python's default 5 ms)")
     a = ap.parse_args()
     if a.switch_ms:
         sys.setswitchinterval(a.switch_ms / 1e3)
-    print(f"{a.rows} streams, simulated GPU decode step {a.gpu_ms} ms, stop strings {a.stop or 'none'}")
+    print(f"{a.rows} streams, simulated GPU decode step {a.gpu_ms} ms, stop strings {a.stop or 'none'}, "
+          f"event loop work {a.loop_us} us an event, GIL switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     for pipeline in (False, True):
-        r = serve(a.bundle, a.rows, a.gpu_ms, a.steps, pipeline, a.stop, a.profile)
+        r = serve(a.bundle, a.rows, a.gpu_ms, a.steps, pipeline, a.stop, a.profile, a.loop_us)
         print(f"{'pipelined' if pipeline else 'serial   '}: {r['steps_per_s']:.1f} steps/s, {r['tokens_per_s']:.0f} tok/s "
               f"(GPU-bound ceiling {1e3 / a.gpu_ms:.1f} steps/s); host {r['host_ms']:.2f} ms a step, "
               f"{r['hidden_ms']:.2f} of it while the device decodes; between steps (the hand-off) "
-              f"{r['between_ms']:.2f} ms\n  scheduler: {r['line']}")
+              f"{r['between_ms']:.2f} ms; the device idle {r['idle_ms']:.2f} ms a step (of which waking from the wait "
+              f"{r['wake_ms']:.2f}); the worker thread's CPU time {r['cpu_ms']:.2f} ms a step\n  scheduler: {r['line']}")
         if a.profile:
             print(r["profile"])
 

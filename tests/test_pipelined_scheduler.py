@@ -103,6 +103,7 @@ def engines(bundles):
     yield make
     for eng in made:
         if hasattr(eng.executor, "close"):
+            eng.executor.synchronize()        # a step launched for a request a stop string then ended
             eng.executor.close()
 
 
