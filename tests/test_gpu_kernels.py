@@ -252,9 +252,10 @@ def test_decode_gemv(ex, b):
     rng = np.random.default_rng(30 + b)
     seen = set()
     for i, x in enumerate(ex.program.phase("decode", b).launches):
-        if x.kernel.startswith("gemv_") and not x.kernel.startswith("gemv_gated") and "_norm_" not in x.kernel \
-                and (x.kernel, x.args[-1]["i32"]) not in seen:
-            seen.add((x.kernel, x.args[-1]["i32"]))
+        nw = 3 if "nvfp4" in x.kernel else 1
+        if x.kernel.startswith("gemv_") and "gated" not in x.kernel and "_norm_" not in x.kernel \
+                and (x.kernel, scalar(x, 5 + nw)) not in seen:
+            seen.add((x.kernel, scalar(x, 5 + nw)))
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
         pytest.skip(f"decode {b} runs the GEMM (above the GEMV's rows)")
@@ -298,7 +299,7 @@ def test_decode_gemv_gated(ex, b):
     from imp_runtime.executor_cpu import gated_act
     bucket = next((t for t in ex.decode_buckets if t >= b), None)
     hits = [(i, x) for i, x in enumerate(ex.program.phase("decode", bucket).launches)
-            if x.kernel.startswith("gemv_gated_") and "_norm_" not in x.kernel]
+            if x.kernel.startswith("gemv_") and "gated" in x.kernel and "_norm_" not in x.kernel]
     if not hits:
         pytest.skip(f"decode {bucket} fuses the norm into its gated GEMV (test_decode_gemv_norm)")
     i, x = hits[0]
