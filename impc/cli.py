@@ -40,8 +40,6 @@ def _add_compile(sub) -> None:
                    help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default 16)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="no programmatic dependent launch in the decode graphs (default: on)")
-    p.add_argument("--no-gemv-stream", dest="gemv_stream", action="store_false",
-                   help="NVFP4 decode GEMVs on the per-block kernel instead of the streamed one (default: streamed)")
     p.add_argument("--prefill-split-k", action="store_true",
                    help="atomic split-K in prefill GEMMs: faster small chunks, not bitwise reproducible (default off)")
     p.add_argument("--prefill-weights", default="auto", choices=["auto", "copy", "dequant"],
@@ -115,7 +113,7 @@ def cmd_compile(a) -> int:
                           calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, name=a.name,
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
-                          prefill_weights=a.prefill_weights, gemv_stream=a.gemv_stream)
+                          prefill_weights=a.prefill_weights)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

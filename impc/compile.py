@@ -41,13 +41,11 @@ class CompileOptions:
     name: str | None = None          # served model name (default: the checkpoint's file or folder name)
     gemv_max_rows: int = 16          # decode batches up to this many rows run the GEMV, larger the GEMM
     pdl: bool = True                 # programmatic dependent launch in the decode graphs
-    gemv_stream: bool = True         # NVFP4 decode GEMVs on the streamed kernel (templates/gemv_stream.cu.j2)
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)
 
     def program_options(self) -> ProgramOptions:
-        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
-                              gemv_stream=self.gemv_stream)
+        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

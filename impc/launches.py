@@ -28,9 +28,6 @@ GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
 WG_STAGES = {128: 6, 256: 4}                            # its ring depth per BN: ~192 KB of shared memory
 WG_SMALL_CHUNK = 128     # Hopper: a second prefill phase for chunks of at most one row tile, split over K
-GS_KSTEP, GS_MAX_WARPS = 256, 192 * 16      # templates/gemv_stream.cu.j2: k a step; warps of a grid at most
-GS_MIN_BYTES = 1 << 20   # smaller NVFP4 matrices keep the per-block GEMV (see ProgramBuilder.streamed)
-GS_VALS = 8              # floats a lane keeps of a partial sum at most (16 rows of batch: 4 column groups x 2)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -43,11 +40,9 @@ class ProgramOptions:
     pdl: bool = True                # programmatic dependent launch inside the decode graphs
     prefill_split_k: bool = False   # atomic split-K in prefill GEMMs (faster for small chunks, not bitwise
                                     # reproducible: sums then depend on arrival order)
-    gemv_stream: bool = True        # NVFP4 decode GEMVs: the streamed persistent kernel (gemv_stream.cu.j2)
 
     def to_dict(self) -> dict:
-        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
-                "gemv_stream": self.gemv_stream}
+        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k}
 
 
 def rows_for(chunk: int, max_batch: int) -> tuple[int, int]:
@@ -149,11 +144,6 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     elif wg_mode == "dequant" and wg:
         n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
         out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
-    fp4 = [shape for n, shape in spec.tensor_shapes().items() if len(shape) == 2 and formats[n] == "nvfp4"]
-    if fp4:                    # the streamed GEMV's partial sums and group counts (any NVFP4 matrix, the head too)
-        groups = max(-(-shape[0] // 16) for shape in fp4)
-        ws = GS_MAX_WARPS * 2 * 32 * GS_VALS
-        out += [("gv_ws", "scratch", "f32", (ws,), ws * 4, None), ("gv_cnt", "scratch", "i32", (groups,), groups * 4, None)]
     if wg_mode != "none":      # split-K partial sums and turn flags of the small prefill phase (gemm_wgmma)
         tiles = max(-(-shape[0] // 128) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
                     and len(shape) == 2)
@@ -338,9 +328,6 @@ class ProgramBuilder:
         m = ev(rows, self.rows_max)
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
-        if planes and self.streamed(lin):
-            self.gemv_stream(e, f"gemv_stream_nvfp4_nb{nb}", a, lin, out, rows, mode, reads, writes)
-            return
         if planes:
             kern = f"gemv_{lin.fmt}_nb{nb}"
             e.add(kern, ((lin.n + 15) // 16,), (256,),
@@ -360,32 +347,6 @@ class ProgramBuilder:
         kern = "gemm_nvfp4_f16" if lin.fmt == "nvfp4" else "gemm_bf16"
         e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
                                                i32(lin.k), i32(mode)], reads, writes)
-
-    def streamed(self, lin: _Lin) -> bool:
-        """A decode GEMV on the streamed kernel: NVFP4 with K a multiple of 64 (its scale copies are 4 bytes), of
-        at least GS_MIN_BYTES: below that the GEMV is launch-bound and the per-block kernel, which can fuse the
-        RMSNorm at batch 1, wins (SmolLM2 batch 1 with every GEMV streamed: 772 tok/s against 1618)."""
-        return (self.opt.gemv_stream and lin.fmt == "nvfp4" and lin.k % 64 == 0
-                and lin.n * lin.k * 9 // 16 >= GS_MIN_BYTES)
-
-    def gemv_stream(self, e: _Emitter, kern: str, a: str, lin: _Lin, out: str, rows, mode: int, reads, writes) -> None:
-        """templates/gemv_stream.cu.j2: a persistent grid of W warps from the shape alone (never the batch, so
-        decode stays batch-invariant): at most 16 an SM, at least two 256-k steps each; blocks of 16 warps (8 at
-        batch 16: twice the blocks, the same W). Ring of 4 stages a warp where a block may have 144 KB of shared
-        memory, else 2."""
-        gated = kern.startswith("gemv_stream_gated")
-        cols = lin.n // 2 if gated else lin.n
-        groups = -(-cols // (8 if gated else 16))
-        steps = groups * -(-lin.k // GS_KSTEP)
-        w16 = max(1, min(self.sm_count, GS_MAX_WARPS // 16, steps // 32))      # W / 16
-        warps = 8 if kern.endswith("_nb16") else 16
-        stages = 4 if self.target["smem_per_block_bytes"] >= 147456 else 2
-        smem = warps * stages * 16 * (GS_KSTEP // 2 + GS_KSTEP // 16)
-        self.kernel_smem[kern] = smem
-        e.add(kern, (w16 * 16 // warps,), (warps * 32,),
-              [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode), ptr("gv_ws"),
-               ptr("gv_cnt")],
-              reads + [("gv_cnt", groups * 4)], writes + [("gv_cnt", groups * 4)], smem=smem)
 
     def rmsnorm(self, e: _Emitter, x: str, w: str, out: str, rows, ofmt: int, x_off=0) -> None:
         h, m = self.spec.hidden, ev(rows, self.rows_max)
@@ -414,7 +375,7 @@ class ProgramBuilder:
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
         return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
-                and -(-cols // 16) <= 2 * self.sm_count and not self.streamed(lin))
+                and -(-cols // 16) <= 2 * self.sm_count)
 
     def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
         h = self.spec.hidden
@@ -452,10 +413,6 @@ class ProgramBuilder:
                 self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb)
             if self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
-            elif dec and self.streamed(gate_up):
-                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
-                self.gemv_stream(e, f"gemv_stream_gated_nvfp4_nb{nb}", "hb", gate_up, "ab", rows, xfmt(down.fmt),
-                                 gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
             elif dec:
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 ofmt = xfmt(down.fmt)
@@ -559,9 +516,6 @@ class ProgramBuilder:
         e = _Emitter(pdl=False)
         if self.seed is not None:
             self.synthetic_weights(e)
-        if "gv_cnt" in self.buffers:     # the streamed GEMV's group counts start at 0
-            n = self.buffers["gv_cnt"].shape[0]
-            e.add("fill_f32", (1,), (256,), [ptr("gv_cnt"), {"u64": n}, {"f32": 0.0}], [], [("gv_cnt", n * 4)])
         if "wg_flags" in self.buffers:   # split-K turn flags start at 0
             n = self.buffers["wg_flags"].shape[0]
             e.add("fill_f32", (1,), (256,), [ptr("wg_flags"), {"u64": n}, {"f32": 0.0}], [], [("wg_flags", n * 4)])

@@ -4,7 +4,7 @@
 Runs a decode bucket (or the prefill chunk) eagerly, a CUDA event pair around each launch, `--reps`
 times, and prints per kernel: launches, median microseconds, the bytes the program says it reads and
 writes, and the achieved GB/s next to the device-to-device copy bandwidth measured in the same run.
-Each time includes the launch's own latency outside a graph (about 10 us on an H200: a batch-1 8B step
+Each time (with --back-to-back 1) includes the launch's own latency outside a graph (about 10 us on an H200: a batch-1 8B step
 sums to 7.6 ms here against 4.1 ms replayed as a graph), so small kernels read slower than they run;
 the big GEMVs, whose time is their bytes, read close to true. `ncu` gives exact kernel durations.
 Also the target of `ncu --clock-control none python scripts/profile_step.py ...` for hardware counters.
@@ -30,6 +30,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache (default 512)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="time all launches of one row (a kernel, with --by-shape a kernel and weight: one a layer) "
+                         "queued back to back, each layer's own weights, so no launch finds the last one's in L2: "
+                         "hides the launch latency one launch between two events carries, for kernels over ~5 us")
     ap.add_argument("--by-shape", action="store_true",
                     help="one row per matrix kernel and weight (qkv, o, gate_up, down, head) instead of per kernel")
     a = ap.parse_args()
@@ -61,16 +65,6 @@ def main() -> int:
     else:
         phase = ex.program.phase("prefill", next(b for b in ex.prefill_buckets if b >= min(a.tokens, ex.prefill_chunk)))
         env = {"rows": min(a.tokens, ex.prefill_chunk), "start": seqs[0].length, "slot": ex._seqs[seqs[0].sid].slot}
-    e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
-    times = collections.defaultdict(list)
-    for rep in range(a.reps + 2):
-        for i in range(len(phase.launches)):
-            check(cu.cuEventRecord(e0, ex.stream))
-            ex.run_launch(phase.phase, phase.tokens, i, env)
-            check(cu.cuEventRecord(e1, ex.stream))
-            check(cu.cuEventSynchronize(e1))
-            if rep >= 2:
-                times[i].append(check(cu.cuEventElapsedTime(e0, e1)) * 1e3)
     import re
 
     def label(x) -> str:
@@ -82,6 +76,32 @@ def main() -> int:
                     return f"{x.kernel} [{m.group(1)}]"
         return x.kernel
 
+    e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+    times = collections.defaultdict(list)
+    for rep in range(a.reps + 2):
+        for i in range(len(phase.launches)):
+            if a.back_to_back:
+                break
+            check(cu.cuEventRecord(e0, ex.stream))
+            ex.run_launch(phase.phase, phase.tokens, i, env)
+            check(cu.cuEventRecord(e1, ex.stream))
+            check(cu.cuEventSynchronize(e1))
+            if rep >= 2:
+                times[i].append(check(cu.cuEventElapsedTime(e0, e1)) * 1e3)
+        if a.back_to_back:
+            rows_of = collections.defaultdict(list)
+            for i, x in enumerate(phase.launches):
+                rows_of[label(x)].append(i)
+            for idx in rows_of.values():
+                check(cu.cuEventRecord(e0, ex.stream))
+                for i in idx:
+                    ex.run_launch(phase.phase, phase.tokens, i, env)
+                check(cu.cuEventRecord(e1, ex.stream))
+                check(cu.cuEventSynchronize(e1))
+                if rep >= 2:
+                    per_launch = check(cu.cuEventElapsedTime(e0, e1)) * 1e3 / len(idx)
+                    for i in idx:
+                        times[i].append(per_launch)
     per = collections.defaultdict(lambda: [0, 0.0, 0])
     for i, x in enumerate(phase.launches):
         k = per[label(x)]
