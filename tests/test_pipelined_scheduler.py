@@ -179,3 +179,79 @@ def test_pipelined_cancellation_frees_pages_at_once(engines, mode):
     assert done and pages >= 3 and after == before - pages
     assert piped[0] == serial[0] and piped[2] == serial[2]
     assert 4 <= len(piped[1]) < len(serial[1]) and piped[1] == serial[1][:len(piped[1])]
+
+
+def test_pipelined_scheduler_keeps_every_page_accounted_for(bundles):
+    """Any interleaving of submissions (stop strings, stop tokens, budgets), cancellations and steps on a
+    pool small enough to preempt, pipelined on StreamOrdered: after every step each page is free, cached
+    or held by exactly the live requests whose tables list it; finished and cancelled requests hold
+    nothing; each stream ends with exactly one finish event, never past its budget or into a stop string."""
+    from hypothesis import settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+    eng = Engine(bundles("llama_tied", "bf16"), device="cpu")
+    eng.scheduler.config.pipeline = True
+    eng.executor = eng.scheduler.executor = StreamOrdered(eng.executor)
+    blocks = eng.blocks = eng.scheduler.blocks = BlockManager(8, eng.executor.page_size)    # 112 tokens
+
+    class Machine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.reqs, self.events, self.stops = [], {}, {}
+
+        @rule(length=st.integers(1, 40), budget=st.integers(1, 60), stop=st.sampled_from([None, "w13", "w2 w"]),
+              stop_token=st.sampled_from([None, 7, 200]), seed=st.integers(0, 3))
+        def submit(self, length, budget, stop, stop_token, seed):
+            params = SamplingParams(max_tokens=budget, temperature=1.5, seed=seed, ignore_eos=True,
+                                    stop=[stop] if stop else [], stop_token_ids=[stop_token] if stop_token else [])
+            req = eng.submit(prompts(1, length, seed=len(self.reqs))[0], params)
+            self.reqs.append(req)
+            self.events[id(req)], self.stops[id(req)] = [], stop
+            self.step(1)
+
+        @rule(pick=st.integers(0, 1000))
+        def cancel(self, pick):
+            live = [r for r in self.reqs if not r.done]
+            if live:
+                eng.scheduler.cancel(live[pick % len(live)])
+
+        @rule(steps=st.integers(1, 8))
+        def step(self, steps):
+            for _ in range(steps):
+                for out in eng.scheduler.step():
+                    assert out.error is None, out.error
+                    self.events[id(out.request)].append(out.event)
+
+        @invariant()
+        def pages_accounted_for(self):
+            holders: dict[int, int] = {}
+            for r in self.reqs:
+                if r.done:
+                    assert not r.table.pages and r.sid is None
+                for p in r.table.pages:
+                    holders[p] = holders.get(p, 0) + 1
+            assert [blocks.refs[p] for p in range(1, blocks.num_pages)] == [holders.get(p, 0) for p in range(1, blocks.num_pages)]
+            states = list(blocks.free) + list(blocks.evictable) + [p for p in holders]
+            assert sorted(states) == list(range(1, blocks.num_pages))
+            assert set(eng.executor._seqs) == {r.sid for r in eng.scheduler.running}
+
+        @invariant()
+        def streams_well_formed(self):
+            for r in self.reqs:
+                evs = self.events[id(r)]
+                assert len(evs) <= r.gen.params.max_tokens
+                assert all(e.finish_reason is None for e in evs[:-1])
+                if evs and evs[-1].finish_reason:
+                    assert r.done
+                if self.stops[id(r)]:
+                    assert self.stops[id(r)] not in text(evs)
+
+        def teardown(self):
+            for r in self.reqs:
+                eng.scheduler.cancel(r)
+            while eng.scheduler.has_work():
+                eng.scheduler.step()
+            assert blocks.in_use() == 0 and not eng.executor._seqs
+
+    run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
