@@ -35,6 +35,7 @@ from imp_runtime.cuda_arena import NP_DTYPES  # noqa: E402
 from imp_runtime.executor import StepResult, StepRow  # noqa: E402
 from imp_runtime.executor_cuda import CudaExecutor, _Seq  # noqa: E402
 from imp_runtime.sampler import SamplingParams  # noqa: E402
+from imp_runtime.scheduler import StepTimes  # noqa: E402
 from imp_runtime.server.metrics import Metrics  # noqa: E402
 from imp_runtime.server.queue import FairQueue  # noqa: E402
 from imp_runtime.tokenizer import Tokenizer  # noqa: E402
@@ -157,8 +158,7 @@ def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool
         while not (len(eng.scheduler.running) == rows and all(r.gen.out for r in eng.scheduler.running)):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)                         # a few steps of steady decoding first
-        t = eng.scheduler.times
-        t.__init__()
+        t = eng.scheduler.times = StepTimes()
         gpu = eng.executor
         gpu.idle_s = gpu.wake_s = 0.0
         q.profiler, q.armed = profiler, True
