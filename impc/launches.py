@@ -21,7 +21,7 @@ from imp_runtime.spec import ModelSpec
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
-               "attn_decode_merge", "logits_softcap", "sample_tokens")
+               "logits_softcap", "sample_tokens")
 ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
@@ -67,6 +67,7 @@ def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tupl
         "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
         "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 2),
                     MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 2) * 4),
+        "attn_counts": ("i32", (MB, s.n_kv_heads), MB * s.n_kv_heads * 4),    # decode attention's blocks done
         "sampled": ("i32", (MB,), MB * 4),
     }
 
@@ -463,13 +464,14 @@ class ProgramBuilder:
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
             part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
+            counts = b * s.n_kv_heads * 4
+            # one launch: the last block of each (sequence, kv head) merges its splits (templates/attn_decode.cu.j2)
             e.add("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
                   [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
-                   ptr("partial"), i32(window), i32(self.max_pages)],
-                  [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4)], [("partial", part)])
-            e.add("attn_decode_merge", (b, s.n_heads), (s.head_dim,),
-                  [ptr("partial"), ptr("seq_len"), ptr("attn"), i32(window), i32(ofmt)],
-                  [("partial", part), ("seq_len", b * 4)], [("attn", b * s.q_dim * (4 if dec else 2))])
+                   ptr("partial"), ptr("attn_counts"), ptr("attn"), i32(window), i32(self.max_pages), i32(ofmt)],
+                  [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
+                   ("attn_counts", counts)],
+                  [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if dec else 2))])
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)
@@ -516,6 +518,9 @@ class ProgramBuilder:
         e = _Emitter(pdl=False)
         if self.seed is not None:
             self.synthetic_weights(e)
+        # decode attention's per-(sequence, kv head) block counters start at 0 (each launch leaves them at 0)
+        n = self.buffers["attn_counts"].shape[0] * self.buffers["attn_counts"].shape[1]
+        e.add("fill_f32", (1,), (256,), [ptr("attn_counts"), {"u64": n}, {"f32": 0.0}], [], [("attn_counts", n * 4)])
         if "wg_flags" in self.buffers:   # split-K turn flags start at 0
             n = self.buffers["wg_flags"].shape[0]
             e.add("fill_f32", (1,), (256,), [ptr("wg_flags"), {"u64": n}, {"f32": 0.0}], [], [("wg_flags", n * 4)])
