@@ -92,12 +92,15 @@ class CachedModel:
 
 
 class HeadSwapped(BundleModel):
-    """The reference model reading another head (for a tied model: the candidate's table as the head
-    only; the input embedding stays the reference's)."""
+    """The reference model with another head (for a tied model the head only: the input embedding
+    stays the reference's table)."""
 
-    def __init__(self, ref: BundleModel, cand: BundleModel):
-        head = cand.w["embed"] if cand.spec.tie_embeddings else cand.w["lm_head"]
+    def __init__(self, ref: BundleModel, head: np.ndarray):
         self.spec, self.w = replace(ref.spec, tie_embeddings=False), {**ref.w, "lm_head": head}
+
+
+def head_of(model: BundleModel) -> np.ndarray:
+    return model.w["embed"] if model.spec.tie_embeddings else model.w["lm_head"]
 
 
 def head_name(bundle) -> str:
@@ -216,7 +219,7 @@ def measure(model: str, work: Path, tokens: int, chunk: int, text: str, log) -> 
         cand = BundleModel(bundle)
         r = compare(cand, cached_ref, ids, chunk)
         fmt = bundle.tensors[head_name(bundle)]["format"]
-        head = compare(HeadSwapped(ref, cand), cached_ref, ids, chunk) if fmt != "bf16" else None
+        head = compare(HeadSwapped(ref, head_of(cand)), cached_ref, ids, chunk) if fmt != "bf16" else None
         rows.append(Row(model, v.label, fmt, r.kl, r.top1, r.ppl, r.ref_ppl, head and head.kl, head and head.top1,
                         *step_bytes(bundle)))
         log(f"  {model} / {v.label}: kl {r.kl:.4f} top1 {r.top1:.4f}" +
