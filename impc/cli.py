@@ -17,7 +17,10 @@ def _add_compile(sub) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="linear weights' format (default nvfp4)")
     p.add_argument("--quant-embed", action="store_true", help="store the embedding table in NVFP4 too (default bf16)")
-    p.add_argument("--quant-head", action="store_true", help="store an untied output head in NVFP4 too (default bf16)")
+    p.add_argument("--quant-head", action="store_true",
+                   help="store an untied output head in NVFP4 too, a byte-budget candidate (default bf16: NVFP4 "
+                        "costs KL 0.03 alone on SmolLM2's head, for 17%% fewer bytes a step on an 8B model; "
+                        "at the step bytes of --budget 1 it is the closer to bf16)")
     p.add_argument("--scale-search", action="store_true",
                    help="search each block's E4M3 scale for the least squared error (default: amax / 6)")
     p.add_argument("--no-calib", dest="calibrate", action="store_false",
