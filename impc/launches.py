@@ -28,6 +28,7 @@ GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
 WG_STAGES = {128: 6, 256: 4}                            # its ring depth per BN: ~192 KB of shared memory
 WG_SMALL_CHUNK = 128     # Hopper: a second prefill phase for chunks of at most one row tile, split over K
+FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -109,6 +110,12 @@ def prefill_weights_mode(spec: ModelSpec, formats: dict[str, str], target: dict,
     return "copy" if copy <= vram_bytes // 4 else "dequant"
 
 
+def fa_splits_max(max_context: int) -> int:
+    """Key splits of the small prefill phase's attention at most: ceil(start / FA_KV_SPLIT) + 1 (the last holds
+    the chunk's own keys) for a start below the context."""
+    return -(-max_context // FA_KV_SPLIT) + 1
+
+
 def aligned(n: int) -> int:
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
@@ -145,6 +152,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     elif wg_mode == "dequant" and wg:
         n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
         out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
+    if wg_mode != "none":      # the small prefill phase's attention: partial results of its key splits
+        z = fa_splits_max(max_pages * page)
+        n = z * WG_SMALL_CHUNK * spec.n_heads * (spec.head_dim + 2)
+        out.append(("fa_partial", "scratch", "f32", (n,), n * 4, None))
     if wg_mode != "none":      # split-K partial sums and turn flags of the small prefill phase (gemm_wgmma)
         tiles = max(-(-shape[0] // 128) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
                     and len(shape) == 2)
@@ -226,11 +237,13 @@ class _Emitter:
     """Records the launches of one phase."""
     pdl: bool
     launches: list[Launch] = field(default_factory=list)
+    no_pdl_next: bool = False       # the next launch waits for its predecessor to finish (see decode's attention)
 
     def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
-        self.launches.append(Launch(kernel, grid, block, smem, self.pdl and kernel.startswith(PDL_KERNELS),
+        pdl, self.no_pdl_next = self.pdl and not self.no_pdl_next, False
+        self.launches.append(Launch(kernel, grid, block, smem, pdl and kernel.startswith(PDL_KERNELS),
                                     tuple(args), tuple((b, int(n)) for b, n in reads if n),
                                     tuple((b, int(n)) for b, n in writes if n)))
 
@@ -472,6 +485,11 @@ class ProgramBuilder:
                   [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
                    ("attn_counts", counts)],
                   [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if dec else 2))])
+            # the o projection after it without programmatic dependent launch: with it, its GEMV blocks (two an SM,
+            # up to half the register file each) sit waiting beside the attention's last, merging blocks, and
+            # batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the session before
+            # (BENCHMARKS, "Decode attention in one launch").
+            e.no_pdl_next = True
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)
@@ -493,11 +511,23 @@ class ProgramBuilder:
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
 
+        # the phase of one row tile splits the keys over blocks (a chunk of few rows after a long cached prefix would
+        # otherwise have N_HEADS blocks each walking every key); splits: ceil(start / FA_KV_SPLIT) + 1
+        split = chunk <= WG_SMALL_CHUNK and "fa_partial" in self.buffers
+        z = {"sym": "start", "ceil_div": FA_KV_SPLIT, "add": 1} if split else 1
+        part = fa_splits_max(self.max_pages * self.page) * chunk * s.n_heads * (s.head_dim + 2) * 4
+
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt)), (self.fa_threads,),
+            e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt), z), (self.fa_threads,),
                   [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row), i32({"sym": "start"}),
-                   i32(ROWS), i32(window), ptr("attn"), i32(ofmt)],
-                  [("q", chunk * s.q_dim * 2)], [("attn", chunk * s.q_dim * 2)], smem=self.fa_smem)
+                   i32(ROWS), i32(window), ptr("attn"), i32(ofmt), ptr("fa_partial" if split else None),
+                   i32(FA_KV_SPLIT)],
+                  [("q", chunk * s.q_dim * 2)], [("attn", chunk * s.q_dim * 2)] + ([("fa_partial", part)] if split else []),
+                  smem=self.fa_smem)
+            if split:
+                e.add("attn_prefill_merge", (ROWS, s.n_heads), (s.head_dim,),
+                      [ptr("fa_partial"), i32(ROWS), i32(z), ptr("attn"), i32(ofmt)],
+                      [("fa_partial", part)], [("attn", chunk * s.q_dim * 2)])
 
         self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
         self.wg_layers = False

@@ -21,7 +21,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--drop", default="rmsnorm_residual,qkv_rope_cache_f16,attn_decode_f16,attn_decode_merge,"
+    ap.add_argument("--drop", default="rmsnorm_residual,qkv_rope_cache_f16,attn_decode_f16,"
                                       "gemv_,embedding_gather,sample_tokens")
     a = ap.parse_args()
 

@@ -536,29 +536,37 @@ def test_attn_decode(ex, layer, b):
 
 
 @pytest.mark.parametrize("layer", [0, 1])
-@pytest.mark.parametrize("start,t", [(0, 70), (40, 70), (100, 130), (0, 5)])
+@pytest.mark.parametrize("start,t", [(0, 70), (40, 70), (100, 130), (0, 5), (700, 20), (1500, 100), (1024, 128)])
 def test_attn_prefill(ex, layer, start, t):
-    """attn_prefill_f16 over a chunk after a cached prefix (start > 0), through the sequence's block table."""
+    """attn_prefill_f16 over a chunk after a cached prefix (start > 0), through the sequence's block table, in
+    every prefill phase that holds the chunk; the phase of one row tile (Hopper) splits the keys over blocks,
+    ceil(start / 512) + 1 splits, and attn_prefill_merge adds them up."""
     from imp_runtime.executor_cpu import attention
     s, rng = ex.spec, np.random.default_rng(7 + start)
-    if t > ex.prefill_chunk or start + t > ex.max_context:
+    buckets = [b for b in ex.prefill_buckets if b >= t]
+    if not buckets or start + t > ex.max_context:
         pytest.skip("chunk too small")
-    i, x = find(ex, "prefill", ex.prefill_chunk, "attn_prefill_f16", layer % s.n_layers)
     total = start + t
     pages = list(range(3, 3 + -(-total // ex.page_size)))
     pages_of(ex, pages, 2)
     k = f16_round(rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32))
     v = f16_round(rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32))
-    write_kv(ex, buf(x, 1), pages, k)
-    write_kv(ex, buf(x, 2), pages, v)
     q = f16_round(rng.standard_normal((t, s.n_heads, s.head_dim)).astype(np.float32) * 2)
-    put(ex, buf(x, 0), q.astype(np.float16))
-    poison(ex, buf(x, 7))
-    run(ex, "prefill", ex.prefill_chunk, i, rows=t, start=start, slot=2)
-    got = activation(ex, buf(x, 7), t, s.q_dim, scalar(x, 8)).reshape(t, s.n_heads, s.head_dim)
-    ref = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), np.arange(start, total),
-                    s.softmax_scale, scalar(x, 6))
-    assert rel(got, ref) <= TOL
+    for bucket in buckets:
+        i, x = find(ex, "prefill", bucket, "attn_prefill_f16", layer % s.n_layers)
+        write_kv(ex, buf(x, 1), pages, k)
+        write_kv(ex, buf(x, 2), pages, v)
+        put(ex, buf(x, 0), q.astype(np.float16))
+        poison(ex, buf(x, 7))
+        env = {"rows": t, "start": start, "slot": 2}
+        run(ex, "prefill", bucket, i, **env)
+        merge = ex.program.phase("prefill", bucket).launches[i + 1]
+        if merge.kernel == "attn_prefill_merge":
+            run(ex, "prefill", bucket, i + 1, **env)
+        got = activation(ex, buf(x, 7), t, s.q_dim, scalar(x, 8)).reshape(t, s.n_heads, s.head_dim)
+        ref = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), np.arange(start, total),
+                        s.softmax_scale, scalar(x, 6))
+        assert rel(got, ref) <= TOL, f"prefill phase of {bucket} rows"
 
 
 # ------------------------------------------------------------------ sampling

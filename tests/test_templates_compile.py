@@ -7,9 +7,9 @@ import pytest
 
 from imp_runtime.spec import ModelSpec, RopeScaling
 
-EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "rmsnorm_add", "attn_decode_merge",
+EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "rmsnorm_add",
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
-            "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "gemm_nvfp4_f16",
+            "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "attn_prefill_merge", "gemm_nvfp4_f16",
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1"]     # batch 1 with RMSNorm fused (hidden <= 8192)
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
