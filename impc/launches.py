@@ -26,7 +26,7 @@ ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
-WG_STAGES = {128: 6, 256: 4}                            # its ring depth per BN: ~192 KB of shared memory
+WG_STAGES = {64: 8, 128: 6, 256: 4}                     # its ring depth per BN: ~192 KB of shared memory
 WG_SMALL_CHUNK = 128     # Hopper: a second prefill phase for chunks of at most one row tile, split over K
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
@@ -157,9 +157,9 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
         n = z * WG_SMALL_CHUNK * spec.n_heads * (spec.head_dim + 2)
         out.append(("fa_partial", "scratch", "f32", (n,), n * 4, None))
     if wg_mode != "none":      # split-K partial sums and turn flags of the small prefill phase (gemm_wgmma)
-        tiles = max(-(-shape[0] // 128) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
+        tiles = max(-(-shape[0] // 64) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
                     and len(shape) == 2)
-        out += [("wg_ws", "scratch", "f32", (tiles, 128 * 128), tiles * 128 * 128 * 4, None),
+        out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),   # 64-column tiles
                 ("wg_flags", "scratch", "i32", (tiles,), tiles * 4, None)]
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
@@ -304,8 +304,12 @@ class ProgramBuilder:
             wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
             reads = lin.reads()
         # the wider tile where it still gives every SM a block at the chunk's full size; a chunk of one row
-        # tile splits K so the grid (at most one block per SM: the splits wait on each other) fills the GPU
+        # tile splits K so the grid (at most one block per SM: the splits wait on each other) fills the GPU, on
+        # 64-column tiles where 128 would leave fewer than half the SMs a tile (twice the tiles, half the
+        # splits: a shorter chain of splits waiting on each other)
         bn = 256 if -(-lin.n // 256) * -(-self.rows_max // WG_TILE_M) >= self.sm_count else 128
+        if self.rows_max <= WG_TILE_M and -(-lin.n // 128) < self.sm_count // 2:
+            bn = 64
         tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
         if self.rows_max <= WG_TILE_M:
             splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // tiles))

@@ -13,7 +13,7 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "r
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1"]     # batch 1 with RMSNorm fused (hidden <= 8192)
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
-EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (128, 256) for t in ("f16", "bf16")]]
+EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")]]
 
 SHAPES = {
     "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
