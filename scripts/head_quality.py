@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -187,7 +188,7 @@ def equal_step_budget(bf16_head) -> str:
     not read, stays bf16 in both and counts in both)."""
     from impc.plan import GiB
     stored = sum(tensor_bytes(tuple(i["shape"]), i["format"]) for i in bf16_head.tensors.values())
-    return f"{(stored - 1024) / GiB:.9f}GiB"        # a KiB under: the decimal form must not round up
+    return f"{math.ceil(stored / GiB * 1e12) / 1e12:.12f}GiB"     # rounded up: at most bytes over
 
 
 def compiled(source: str, tied: bool, v: Variant, out: Path, log, budget: str | None = None) -> Path:
