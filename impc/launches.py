@@ -152,11 +152,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     elif wg_mode == "dequant" and wg:
         n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
         out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
-    if wg_mode != "none":      # the small prefill phase's attention: partial results of its key splits
-        z = fa_splits_max(max_pages * page)
-        n = z * WG_SMALL_CHUNK * spec.n_heads * (spec.head_dim + 2)
+    if wg_mode != "none":      # the small prefill phase: its attention's key-split partials, and the split-K
+        # partial sums and turn flags of its GEMMs (gemm_wgmma)
+        n = fa_splits_max(max_pages * page) * WG_SMALL_CHUNK * spec.n_heads * (spec.head_dim + 2)
         out.append(("fa_partial", "scratch", "f32", (n,), n * 4, None))
-    if wg_mode != "none":      # split-K partial sums and turn flags of the small prefill phase (gemm_wgmma)
         tiles = max(-(-shape[0] // 64) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
                     and len(shape) == 2)
         out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),   # 64-column tiles
@@ -519,7 +518,7 @@ class ProgramBuilder:
         # otherwise have N_HEADS blocks each walking every key); splits: ceil(start / FA_KV_SPLIT) + 1
         split = chunk <= WG_SMALL_CHUNK and "fa_partial" in self.buffers
         z = {"sym": "start", "ceil_div": FA_KV_SPLIT, "add": 1} if split else 1
-        part = fa_splits_max(self.max_pages * self.page) * chunk * s.n_heads * (s.head_dim + 2) * 4
+        part = self.buffers["fa_partial"].bytes if split else 0
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
             e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt), z), (self.fa_threads,),
