@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tg", type=int, default=128, help="tokens generated per sequence (default 128)")
     p.add_argument("--pp", default="128,512,4096", help="prefill lengths (default 128,512,4096)")
     p.add_argument("--prompt", type=int, default=16, help="prompt length before a decode run (default 16)")
+    p.add_argument("--mixed", default="", metavar="B:T,...",
+                   help="mixed steps: B decode rows with a T-token prefill chunk of another sequence riding in "
+                        "the same launches, timed against the decode step and the prefill run apart (default none)")
     p.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(handler=cmd_bench)
@@ -65,12 +68,12 @@ def decode_weight_bytes(bundle) -> int:
 
 
 def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], prompt: int, runs: int,
-              log=lambda s: None) -> dict:
+              log=lambda s: None, mixed: list[tuple[int, int]] = ()) -> dict:
     import numpy as np
 
     from imp_runtime.bundle import load_bundle
     from imp_runtime.cuda_driver import check, cu
-    from imp_runtime.executor import StepRow
+    from imp_runtime.executor import PrefillChunk, StepRow
     from imp_runtime.executor_cuda import CudaExecutor, gpu_available
     from imp_runtime.kv_blocks import BlockManager, BlockTable
     from imp_runtime.sampler import SamplingParams
@@ -142,6 +145,35 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
         if pp == 128:
             res["ttft_ms"] = 1e3 * statistics.median(times)
         log(f"prefill {pp}: {pp / statistics.median(times):.0f} tok/s")
+    steps = 8
+    for b, t in mixed:
+        if b > ex.max_batch or b + t > ex.prefill_buckets[-1]:
+            log(f"mixed {b}:{t}: more rows than a prefill phase holds ({ex.prefill_buckets[-1]}), skipped")
+            continue
+        seqs = [sequence(prompt + 2 * (steps + 1) * runs + 2) for _ in range(b)]
+        other = sequence(t)
+        chunk = rng.integers(3, vocab, t).tolist()
+        toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
+        pos, times = prompt, {"mixed": [], "apart": []}
+        for _ in range(runs):
+            for how in times:
+                for i in range(steps + 1):             # the first step warms up
+                    if i == 1:
+                        t0 = time.perf_counter()
+                    rows = [StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]
+                    if how == "mixed":                 # the chunk's logits come back too, as prefill's do
+                        toks = ex.decode_collect(ex.decode_submit(rows, PrefillChunk(other[0], chunk, 0, True))).tokens
+                    else:
+                        toks = ex.decode(rows).tokens
+                        ex.prefill(other[0], chunk, 0)
+                    pos += 1
+                times[how].append((time.perf_counter() - t0) / steps)
+        for seq in seqs + [other]:
+            release(*seq)
+        m, a = statistics.median(times["mixed"]), statistics.median(times["apart"])
+        res.setdefault("mixed", {})[f"{b}:{t}"] = {"mixed_ms": 1e3 * m, "apart_ms": 1e3 * a,
+                                                  "decode_tok_s_mixed": b / m, "decode_tok_s_apart": b / a}
+        log(f"mixed {b} rows + {t}-token chunk: {1e3 * m:.2f} ms a step, apart {1e3 * a:.2f} ms")
     mem = ex.memory()
     res["memory"] = mem
     res["peak_gpu_memory_bytes"] = mem["device_used_bytes"]
@@ -169,6 +201,10 @@ def format_table(r: dict) -> str:
         lines.append(f"  decode  batch {b:>3}  tg128  {d['tok_s']:10.1f} tok/s  ({d['step_ms']:.2f} ms/step)")
     for pp, d in r["prefill"].items():
         lines.append(f"  prefill pp{pp:<5}        {d['tok_s']:10.0f} tok/s  ({d['ms']:.1f} ms)")
+    for bt, d in r.get("mixed", {}).items():
+        b, t = bt.split(":")
+        lines.append(f"  mixed   {b:>3} decode rows + {t}-token chunk  {d['mixed_ms']:.2f} ms a step "
+                     f"(apart: {d['apart_ms']:.2f} ms = decode step + prefill)")
     if "ttft_ms" in r:
         lines.append(f"  time to first token (128-token prompt)  {r['ttft_ms']:.1f} ms")
     lines.append(f"  load {r['load_s']:.2f} s; GPU memory in use {r['peak_gpu_memory_bytes'] / 2**30:.2f} GiB "
@@ -185,7 +221,15 @@ def cmd_bench(a) -> int:
     batches = [int(x) for x in a.batches.split(",") if x]
     pps = [int(x) for x in a.pp.split(",") if x]
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, log)
+    try:
+        mixed = [tuple(int(v) for v in x.split(":")) for x in a.mixed.split(",") if x]
+        if any(len(m) != 2 or min(m) < 1 for m in mixed):
+            raise ValueError
+    except ValueError:
+        print(f"impc bench: --mixed {a.mixed}: give pairs B:T of positive numbers, e.g. 64:128,64:448",
+              file=sys.stderr)
+        return 2
+    r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, log, mixed)
     r["commit"] = _commit()
     r["date"] = time.strftime("%Y-%m-%d")
     print(json.dumps(r, indent=1) if a.json else format_table(r))

@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="most choices per request (default 8)")
     p.add_argument("--max-running", type=int, default=16, metavar="N",
                    help="generations interleaved at once; later requests queue (default 16)")
+    p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                   help="tokens one step computes at most: a row per running generation plus prompt tokens "
+                        "(smaller: steadier inter-token latency while prompts arrive; larger: prompts taken in "
+                        "faster; default: the bundle's prefill chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default 4)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(handler=cmd_serve)
@@ -51,7 +55,11 @@ def cmd_serve(a) -> int:
     # step's worth of time while the GPU idles; 0.5 ms hands it back about as soon as the step is ready.
     sys.setswitchinterval(float(os.environ.get("IMP_SWITCH_INTERVAL", "0.0005")))
 
-    limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20))
+    if a.max_step_tokens is not None and a.max_step_tokens < 1:
+        print(f"imp serve: --max-step-tokens {a.max_step_tokens}: give a positive number", file=sys.stderr)
+        return 2
+    limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20),
+                    step_tokens=a.max_step_tokens)
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
     print(f"imp serving {svc.model} ({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
           f"on http://{a.host}:{a.port}/{'  [API key required]' if a.api_key else ''}", file=sys.stderr)

@@ -27,7 +27,8 @@ ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's key
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64)
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # its ring depth per BN: ~192 KB of shared memory
-WG_SMALL_CHUNK = 128     # Hopper: a second prefill phase for chunks of at most one row tile, split over K
+WG_SMALL_CHUNK = 128     # Hopper: smaller prefill phases for chunks of one row tile (split keys) and of two
+WG_MID_CHUNK = 256       # (a mixed step: decode rows plus a short prefill chunk), their GEMMs split over K
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
@@ -158,7 +159,8 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
         out.append(("fa_partial", "scratch", "f32", (n,), n * 4, None))
         tiles = max(-(-shape[0] // 64) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
                     and len(shape) == 2)
-        out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),   # 64-column tiles
+        tiles = 2 * tiles + 4       # two row tiles (the mid phase) of 64-column tiles, or of wider ones rounded up
+        out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),
                 ("wg_flags", "scratch", "i32", (tiles,), tiles * 4, None)]
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
@@ -222,13 +224,19 @@ def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int) -> dict:
     return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows, "box_cols": 64}}
 
 
-def ev(v, rows: int) -> int:
-    """A value at `rows` (reads and writes are counted at the phase's full size)."""
-    return evaluate(v, {"rows": rows})
+def ev(v, rows: int, dec_max: int | None = None) -> int:
+    """A value at `rows` (reads and writes are counted at the phase's full size; decode rows riding in a prefill
+    phase at most dec_max)."""
+    return evaluate(v, {"rows": rows, "prows": rows, "dec": min(rows, dec_max or rows)})
 
 
 def sym_rows(mul: int = 1, ceil_div: int = 1):
     return {"sym": "rows", "mul": mul, "ceil_div": ceil_div} if (mul, ceil_div) != (1, 1) else ROWS
+
+
+def rows_div(rows, d: int):
+    """ceil(rows / d) for rows an int or a plain symbol ({"sym": name})."""
+    return {"sym": rows["sym"], "ceil_div": d} if isinstance(rows, dict) else -(-rows // d)
 
 
 @dataclass
@@ -290,7 +298,7 @@ class ProgramBuilder:
         """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
         operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
         Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations."""
-        m = ev(rows, self.rows_max)
+        m = ev(rows, self.rows_max, self.MB)
         out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
         if lin.fmt == "nvfp4":
             wbuf = lin.name + ".f16"
@@ -306,24 +314,25 @@ class ProgramBuilder:
         # tile splits K so the grid (at most one block per SM: the splits wait on each other) fills the GPU, on
         # 64-column tiles where 128 would leave fewer than half the SMs a tile (twice the tiles, half the
         # splits: a shorter chain of splits waiting on each other)
-        bn = 256 if -(-lin.n // 256) * -(-self.rows_max // WG_TILE_M) >= self.sm_count else 128
-        if self.rows_max <= WG_TILE_M and -(-lin.n // 128) < self.sm_count // 2:
+        rtiles = -(-self.rows_max // WG_TILE_M)
+        bn = 256 if -(-lin.n // 256) * rtiles >= self.sm_count else 128
+        if self.rows_max <= WG_MID_CHUNK and -(-lin.n // 128) * rtiles < self.sm_count // 2:
             bn = 64
         tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
-        if self.rows_max <= WG_TILE_M:
-            splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // tiles))
+        if self.rows_max <= WG_MID_CHUNK:
+            splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // (tiles * rtiles)))
+        part = tiles * rtiles * bn * 512        # the split-K partial sums: 128 x bn floats a tile
         if splits > 1:
             split_args = [ptr("wg_ws"), ptr("wg_flags")]
-            part = tiles * bn * 512
-            reads += [("wg_ws", part), ("wg_flags", tiles * 4)]
+            reads += [("wg_ws", part), ("wg_flags", tiles * rtiles * 4)]
         kern = f"gemm_wg{bn}_{dtype}"
         self.kernel_smem[kern] = wg_smem_bytes(bn)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (tiles, sym_rows(ceil_div=WG_TILE_M) if isinstance(rows, dict) else -(-rows // WG_TILE_M), splits),
+        e.add(kern, (tiles, rows_div(rows, WG_TILE_M), splits),
               (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
                        {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
               reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
-              [(out, out_bytes)] + ([("wg_ws", tiles * bn * 512), ("wg_flags", tiles * 4)] if splits > 1 else []),
+              [(out, out_bytes)] + ([("wg_ws", part), ("wg_flags", tiles * rtiles * 4)] if splits > 1 else []),
               smem=wg_smem_bytes(bn))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
@@ -342,7 +351,7 @@ class ProgramBuilder:
         GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
         if self.wg_layers and lin.name.startswith("layers."):
             return self.linear_wgmma(e, a, lin, out, rows, mode)
-        m = ev(rows, self.rows_max)
+        m = ev(rows, self.rows_max, self.MB)
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
         if planes:
@@ -351,7 +360,7 @@ class ProgramBuilder:
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes)
             return
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
-        gy = sym_rows(ceil_div=GEMM_TILE_M) if isinstance(rows, dict) else (rows + GEMM_TILE_M - 1) // GEMM_TILE_M
+        gy = rows_div(rows, GEMM_TILE_M)
         splits = 1
         if split_k:     # enough blocks for two waves; a symbolic chunk is split for its full size
             ktiles = (lin.k + GEMM_TILE_K - 1) // GEMM_TILE_K
@@ -366,18 +375,18 @@ class ProgramBuilder:
                                                i32(lin.k), i32(mode)], reads, writes)
 
     def rmsnorm(self, e: _Emitter, x: str, w: str, out: str, rows, ofmt: int, x_off=0) -> None:
-        h, m = self.spec.hidden, ev(rows, self.rows_max)
+        h, m = self.spec.hidden, ev(rows, self.rows_max, self.MB)
         width = 4 if ofmt not in (XF_BF16, XF_F16) else 2
         e.add("rmsnorm_residual", (rows,), (256,), [ptr(x, x_off), ptr(None), ptr(w), ptr(out), i32(ofmt)],
               [(x, m * h * 4), (w, h * 4)], [(out, m * h * width)])
 
     def rmsnorm_add(self, e: _Emitter, t: str, w: str, rows) -> None:
-        h, m = self.spec.hidden, ev(rows, self.rows_max)
+        h, m = self.spec.hidden, ev(rows, self.rows_max, self.MB)
         e.add("rmsnorm_add", (rows,), (256,), [ptr(t), ptr(w), ptr("x")],
               [("t", m * h * 4), (w, h * 4), ("x", m * h * 4)], [("x", m * h * 4)])
 
     def embed(self, e: _Emitter, rows) -> None:
-        s, m = self.spec, ev(rows, self.rows_max)
+        s, m = self.spec, ev(rows, self.rows_max, self.MB)
         emb = self.lin("embed")
         row_bytes = s.hidden // 2 + s.hidden // BLOCK if emb.fmt == "nvfp4" else s.hidden * 2
         reads = [("tokens", m * 4)] + [(b, min(n, m * row_bytes)) for b, n in emb.reads()]
@@ -404,7 +413,7 @@ class ProgramBuilder:
 
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
         """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""
-        s, m = self.spec, ev(rows, self.rows_max)
+        s, m = self.spec, ev(rows, self.rows_max, self.MB)
         fmt = (lambda lin: xfmt(lin.fmt)) if dec else (lambda lin: gfmt(lin.fmt))
         for i in range(s.n_layers):
             p = f"layers.{i}."
@@ -453,7 +462,7 @@ class ProgramBuilder:
                 self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb)
 
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
-        s, m = self.spec, ev(rows, self.rows_max)
+        s, m = self.spec, ev(rows, self.rows_max, self.MB)
         head = self.lin("embed" if s.tie_embeddings else "lm_head")
         self.rmsnorm(e, "x", "final_norm", "hb", rows, xfmt(head.fmt) if dec else gfmt(head.fmt), x_off)
         self.linear(e, "hb", head, "logits", rows, 0, dec, split_k, nb)
@@ -466,8 +475,28 @@ class ProgramBuilder:
     def attn_splits(self, b: int) -> int:
         return max(1, min(ATTN_GRID_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
 
+    def attn_decode(self, e: _Emitter, i: int, window: int, ofmt: int, rows, splits: int, planes: bool) -> None:
+        """Decode attention of `rows` rows (one new token each: sequence seq_slot[r], seq_len[r] keys) from q rows
+        0.. into attn rows 0..; one launch: the last block of each (sequence, kv head) merges its splits
+        (templates/attn_decode.cu.j2)."""
+        s, b = self.spec, ev(rows, self.rows_max, self.MB)
+        part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
+        counts = b * s.n_kv_heads * 4
+        e.add("attn_decode_f16", (rows, s.n_kv_heads, splits), (128,),
+              [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
+               ptr("partial"), ptr("attn_counts"), ptr("attn"), i32(window), i32(self.max_pages), i32(ofmt)],
+              [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
+               ("attn_counts", counts)],
+              [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))])
+
+    def sample(self, e: _Emitter, rows) -> None:
+        b = ev(rows, self.rows_max, self.MB)
+        e.add("sample_tokens", (rows,), (1024,),
+              [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
+               ptr("sampled")],
+              [("logits", b * self.spec.vocab_size * 4)], [("sampled", b * 4)])
+
     def decode(self, b: int) -> Phase:
-        s = self.spec
         dec = b <= self.opt.gemv_max_rows
         # Batches past the GEMV's rows on Hopper, where the fp16 copies exist: the layer linears on the wgmma
         # GEMM, which streams the copies (3.6x the NVFP4 bytes) near the copy bandwidth; the mma.sync GEMM
@@ -479,15 +508,7 @@ class ProgramBuilder:
         self.embed(e, b)
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
-            counts = b * s.n_kv_heads * 4
-            # one launch: the last block of each (sequence, kv head) merges its splits (templates/attn_decode.cu.j2)
-            e.add("attn_decode_f16", (b, s.n_kv_heads, splits), (128,),
-                  [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
-                   ptr("partial"), ptr("attn_counts"), ptr("attn"), i32(window), i32(self.max_pages), i32(ofmt)],
-                  [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
-                   ("attn_counts", counts)],
-                  [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if dec else 2))])
+            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec)
             # the o projection after it without programmatic dependent launch: with it, its GEMV blocks (two an SM,
             # up to half the register file each) sit waiting beside the attention's last, merging blocks, and
             # batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the session before
@@ -496,44 +517,53 @@ class ProgramBuilder:
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)
-        e.add("sample_tokens", (b,), (1024,),
-              [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
-               ptr("sampled")],
-              [("logits", b * s.vocab_size * 4)], [("sampled", b * 4)])
+        self.sample(e, b)
         return Phase("decode", b, tuple(e.launches))
 
     def prefill_buckets(self) -> list[int]:
-        """Row counts of the prefill phases: the chunk, and on Hopper a split-K phase for one row tile."""
-        small = self.wg_mode != "none" and self.chunk > WG_SMALL_CHUNK
-        return [WG_SMALL_CHUNK, self.chunk] if small else [self.chunk]
+        """Row counts of the prefill phases: the chunk, and on Hopper split-K phases for one and two row tiles."""
+        if self.wg_mode == "none":
+            return [self.chunk]
+        return sorted({min(WG_SMALL_CHUNK, self.chunk), min(WG_MID_CHUNK, self.chunk), self.chunk})
 
     def prefill(self, chunk: int) -> Phase:
+        """One sequence's prefill chunk, with the decode rows of other sequences riding in the same launches (a
+        mixed step: the layer GEMMs read each weight once for both). Rows [0, dec) decode one token each: decode's
+        attention, then the head and sampling over them at the end; rows [dec, rows) are the chunk, `prows` tokens
+        at positions start.. of the sequence in block-table row `slot`. A plain prefill has dec = 0: launches
+        whose grid is then empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
         self.rows_max, self.wg_layers = chunk, self.wg_mode != "none"
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
+        prows, after_dec = {"sym": "prows"}, {"sym": "dec", "mul": s.q_dim * 2}
+        dec_splits = self.attn_splits(8)
 
         # the phase of one row tile splits the keys over blocks (a chunk of few rows after a long cached prefix would
-        # otherwise have N_HEADS blocks each walking every key); splits: ceil(start / FA_KV_SPLIT) + 1
+        # otherwise have N_HEADS blocks each walking every key); splits: ceil(start / FA_KV_SPLIT) + 1, merged when
+        # there are two or more (start > 0: the merge's grid is empty at start 0)
         split = chunk <= WG_SMALL_CHUNK and "fa_partial" in self.buffers
         z = {"sym": "start", "ceil_div": FA_KV_SPLIT, "add": 1} if split else 1
         part = self.buffers["fa_partial"].bytes if split else 0
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            e.add("attn_prefill_f16", (s.n_heads, sym_rows(ceil_div=self.fa_qt), z), (self.fa_threads,),
-                  [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row), i32({"sym": "start"}),
-                   i32(ROWS), i32(window), ptr("attn"), i32(ofmt), ptr("fa_partial" if split else None),
-                   i32(FA_KV_SPLIT)],
+            self.attn_decode(e, i, window, ofmt, {"sym": "dec"}, dec_splits, planes=False)
+            e.add("attn_prefill_f16", (s.n_heads, rows_div(prows, self.fa_qt), z), (self.fa_threads,),
+                  [ptr("q", after_dec), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row),
+                   i32({"sym": "start"}), i32(prows), i32(window), ptr("attn", after_dec), i32(ofmt),
+                   ptr("fa_partial" if split else None), i32(FA_KV_SPLIT)],
                   [("q", chunk * s.q_dim * 2)], [("attn", chunk * s.q_dim * 2)] + ([("fa_partial", part)] if split else []),
                   smem=self.fa_smem)
             if split:
-                e.add("attn_prefill_merge", (ROWS, s.n_heads), (s.head_dim,),
-                      [ptr("fa_partial"), i32(ROWS), i32(z), ptr("attn"), i32(ofmt)],
+                e.add("attn_prefill_merge", (prows, s.n_heads, {"sym": "start", "ceil_div": 1 << 30}), (s.head_dim,),
+                      [ptr("fa_partial"), i32(prows), i32(z), ptr("attn", after_dec), i32(ofmt)],
                       [("fa_partial", part)], [("attn", chunk * s.q_dim * 2)])
 
         self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
         self.wg_layers = False
+        self.head(e, {"sym": "dec"}, dec=False, nb=0, split_k=False)
+        self.sample(e, {"sym": "dec"})
         return Phase("prefill", chunk, tuple(e.launches))
 
     def logits(self, rows: int) -> Phase:
@@ -598,7 +628,8 @@ class ProgramBuilder:
                   "kv_pages": self.kv_pages, "max_context": self.max_context, "max_batch": self.max_batch,
                   "prefill_chunk": self.chunk, "vocab_size": self.spec.vocab_size, "hidden": self.spec.hidden,
                   "rows": self.R, "logit_rows": self.MB}
-        symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1}
+        symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1,
+                   "dec": self.max_batch, "prows": self.R}
         return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
                        symbols=symbols, kernel_smem=self.kernel_smem, constants=consts,
                        options=self.opt.to_dict())

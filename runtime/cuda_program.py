@@ -3,8 +3,8 @@
 Every launch of every phase is bound once at load: its kernel function, its argument block (ctypes
 values at the arena's addresses) and, for launches with programmatic dependent launch, its launch
 configuration. A phase with per-step symbols (prefill, logits) keeps a list of the arguments and grid
-dimensions that depend on them and rewrites just those before it runs; a decode phase has none and is
-captured once as a CUDA graph, replayed every step.
+dimensions that depend on them and rewrites just those before it runs (a launch whose grid is then empty is
+skipped); a decode phase has none and is captured once as a CUDA graph, replayed every step.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class BoundLaunch:
             for obj, v, base in self.symbolic_args:
                 obj.value = base + evaluate(v, env)
             self.grid = [evaluate(g, env) for g in x.grid]
+            if not all(self.grid):      # e.g. a prefill phase's decode-row launches in a step without decode rows
+                return
         if self.config is not None:
             self.config.hStream = stream
             check(cu.cuLaunchKernelEx(self.config, self.func, ctypes.addressof(self.params), 0))

@@ -15,6 +15,11 @@ A decode step is launched and read in two calls, so the host can work while the 
 sampled tokens. Between them the caller may do host work and call `set_pages`, `new_sequence`, `free` and
 `prefill` (device work queued behind the step, in order); it must collect a step before submitting the
 next. `decode` is both at once.
+
+A decode step may carry one prefill chunk of another sequence (`decode_submit(rows, chunk)`, executors with
+`mixed_steps`): a mixed step. On the GPU the decode rows then ride in the chunk's prefill launches, so each layer
+weight is read once for both (a decode step of 64 rows alone costs about as much as 128 rows of prefill); the
+chunk's last-token logits come back with the step when it asks for them.
 """
 from __future__ import annotations
 
@@ -37,9 +42,19 @@ class StepRow:
 
 
 @dataclass
+class PrefillChunk:
+    """A prefill chunk riding in a decode step: `tokens` of sequence sid at positions start .."""
+    sid: int
+    tokens: list[int]
+    start: int
+    want_logits: bool = False           # return the last token's logits (the chunk ends the prompt)
+
+
+@dataclass
 class StepResult:
     tokens: list[int]                   # one sampled token per row, in row order
     logits: dict[int, np.ndarray] = field(default_factory=dict)   # row index -> float32 [vocab], rows that asked
+    chunk_logits: np.ndarray | None = None     # a mixed step's chunk's last-token logits [vocab], when asked
 
 
 class Executor(Protocol):
@@ -50,6 +65,7 @@ class Executor(Protocol):
     max_context: int                    # most positions in one sequence
     prefill_chunk: int                  # most tokens one prefill call takes (callers chunk longer prompts)
     async_decode: bool                  # decode_submit returns before the step is computed (worth pipelining)
+    mixed_steps: bool                   # decode_submit takes a prefill chunk (worth mixing: shared weight reads)
 
     def new_sequence(self) -> int: ...
     def set_pages(self, sid: int, pages: list[int]) -> None:
@@ -62,7 +78,8 @@ class Executor(Protocol):
         a cached prefix or earlier chunks) and return the logits of the last token [V], or of all [T, V]."""
     def decode(self, rows: list[StepRow]) -> StepResult:
         """One token for each row (1 .. max_batch rows): decode_collect(decode_submit(rows))."""
-    def decode_submit(self, rows: list[StepRow]) -> Any:
-        """Launch a decode step; a handle for decode_collect. The rows' pages must already be set."""
+    def decode_submit(self, rows: list[StepRow], chunk: PrefillChunk | None = None) -> Any:
+        """Launch a decode step (with a prefill chunk of another sequence: a mixed step); a handle for
+        decode_collect. The rows' and the chunk's pages must already be set."""
     def decode_collect(self, handle: Any) -> StepResult:
         """Wait for the step `handle` launched and read its result."""

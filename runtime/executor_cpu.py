@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from imp_runtime.bundle import Bundle
-from imp_runtime.executor import StepResult, StepRow
+from imp_runtime.executor import PrefillChunk, StepResult, StepRow
 from imp_runtime.rope import apply_rope, cos_sin
 from imp_runtime.sampler import choose, step_rng
 from imp_runtime.spec import ModelSpec
@@ -113,6 +113,7 @@ class CpuExecutor:
     wt: dict[str, np.ndarray] = field(init=False, repr=False)      # linear weights, transposed
     name = "cpu"
     async_decode = False                   # decode_submit computes the step before it returns
+    mixed_steps = False                    # a mixed step costs what its parts do: the scheduler keeps them apart
 
     def __post_init__(self):
         self.spec: ModelSpec = self.bundle.spec
@@ -223,8 +224,12 @@ class CpuExecutor:
             tokens.append(choose(logits[i], r.params, step_rng(r.params.seed, r.position + 1) if seeded else self._rng))
         return StepResult(tokens, {i: logits[i] for i, r in enumerate(rows) if r.want_logits})
 
-    def decode_submit(self, rows: list[StepRow]) -> StepResult:
-        return self.decode(rows)
+    def decode_submit(self, rows: list[StepRow], chunk: PrefillChunk | None = None) -> StepResult:
+        result = self.decode(rows)
+        if chunk is not None:      # another sequence: its prefill is independent of the decode rows
+            logits = self.prefill(chunk.sid, chunk.tokens, chunk.start)
+            result.chunk_logits = logits if chunk.want_logits else None
+        return result
 
     def decode_collect(self, handle: StepResult) -> StepResult:
         return handle

@@ -23,7 +23,7 @@ from imp_runtime.bundle import Bundle, BundleError
 from imp_runtime.cuda_arena import NP_DTYPES, DeviceArena
 from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod
 from imp_runtime.cuda_program import BoundPhase
-from imp_runtime.executor import StepResult, StepRow
+from imp_runtime.executor import PrefillChunk, StepResult, StepRow
 
 __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
 
@@ -44,11 +44,13 @@ class _Launched:
     number: int                         # the executor's count of launched decode steps
     rows: int
     want_logits: list[int]              # rows whose logits follow the sampled ids in out_host
+    chunk_logits: bool = False          # a mixed step's chunk's last-token logits follow those
 
 
 class CudaExecutor:
     name = "cuda"
     async_decode = True                 # decode_submit returns once the step is queued
+    mixed_steps = True                  # the prefill phases carry decode rows (impc/launches.py prefill)
 
     def __init__(self, bundle: Bundle, use_graphs: bool = True, device: int = 0):
         t0 = time.perf_counter()
@@ -90,7 +92,8 @@ class CudaExecutor:
         self.step = {b.name: self.step_host.view(b.offset - self.step_off, NP_DTYPES[b.dtype], b.shape[0])
                      for b in p.buffers.values() if b.kind == "step"}
         logit_rows = p.buffers["logits"].shape[0]
-        self.out_host = PinnedBuffer(4 * logit_rows * (1 + self.vocab))
+        self.rows = c["rows"]                       # rows of the activation scratch: a mixed step's limit
+        self.out_host = PinnedBuffer(4 * (logit_rows + 1) * (1 + self.vocab))   # + a mixed step's chunk logits
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
@@ -161,7 +164,7 @@ class CudaExecutor:
             st["positions"][:t] = np.arange(pos0, pos0 + t)
             st["kv_slots"][:t] = [self._kv_slot(seq, p) for p in range(pos0, pos0 + t)]
             self._send_step()
-            phase.run(self.stream, {"rows": t, "start": pos0, "slot": seq.slot})
+            phase.run(self.stream, {"rows": t, "dec": 0, "prows": t, "start": pos0, "slot": seq.slot})
             if all_logits:
                 for r0 in range(0, t, self.logits_buckets[-1]):
                     rows.append(self._logits(r0, min(self.logits_buckets[-1], t - r0)))
@@ -180,27 +183,49 @@ class CudaExecutor:
     def decode(self, rows: list[StepRow]) -> StepResult:
         return self.decode_collect(self.decode_submit(rows))
 
-    def decode_submit(self, rows: list[StepRow]) -> _Launched:
+    def decode_submit(self, rows: list[StepRow], chunk: PrefillChunk | None = None) -> _Launched:
         """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
-        ids (and asked-for logits) into out_host; no wait for the GPU."""
+        ids (and asked-for logits) into out_host; no wait for the GPU. With a chunk (a mixed step): the
+        decode rows ride in the smallest prefill phase that holds them and the chunk, launched eagerly."""
         n = len(rows)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"decode batch of {n} (1..{self.max_batch})")
+        t = len(chunk.tokens) if chunk is not None else 0
+        if chunk is not None:
+            seq = self._seqs[chunk.sid]
+            if not 1 <= t <= self.prefill_buckets[-1] - n:
+                raise ValueError(f"a mixed step of {n} decode rows takes a chunk of 1..{self.prefill_buckets[-1] - n} "
+                                 f"tokens, not {t}")
+            if chunk.start + t > self.max_context:
+                raise ValueError(f"sequence of {chunk.start + t} tokens exceeds the context of {self.max_context}")
         # step_host is one page-locked buffer: the last copy out of it (a decode's or a prefill's) must be
         # done before it is rewritten. A pipelining caller has collected the previous step already, so the
         # stream is idle and this costs a few microseconds.
         check(cu.cuStreamSynchronize(self.stream))
         b = self._write_step_values(rows)
-        self._send_step()
-        self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
+        if chunk is None:
+            self._send_step()
+            self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
+        else:       # the chunk's rows follow the decode rows
+            st = self.step
+            st["tokens"][n:n + t] = chunk.tokens
+            st["positions"][n:n + t] = np.arange(chunk.start, chunk.start + t)
+            st["kv_slots"][n:n + t] = [self._kv_slot(seq, p) for p in range(chunk.start, chunk.start + t)]
+            self._send_step()
+            phase = self.phases[("prefill", next(x for x in self.prefill_buckets if x >= n + t))]
+            phase.run(self.stream, {"rows": n + t, "dec": n, "prows": t, "start": chunk.start, "slot": seq.slot})
         check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
         row_bytes = 4 * self.vocab
-        for i in want:
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + i * row_bytes, self.arena.ptr("logits", i * row_bytes),
+        for k, i in enumerate(want):
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
+                                       row_bytes, self.stream))
+        if chunk is not None and chunk.want_logits:      # after the copies above: this rewrites logits row 0
+            self.phases[("logits", self.logits_buckets[0])].run(self.stream, {"rows": 1, "row0": n + t - 1})
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + len(want) * row_bytes, self.arena.ptr("logits"),
                                        row_bytes, self.stream))
         self._launched += 1
-        return _Launched(self._launched, n, want)
+        return _Launched(self._launched, n, want, chunk is not None and chunk.want_logits)
 
     def _write_step_values(self, rows: list[StepRow]) -> int:
         """The decode step's values into step_host, padding rows up to the graph bucket; the bucket."""
@@ -231,16 +256,21 @@ class CudaExecutor:
         check(cu.cuStreamSynchronize(self.stream))
         n, row_bytes = handle.rows, 4 * self.vocab
         sampled = self.out_host.view(0, np.int32, n).tolist()
-        logits = {i: self.out_host.view(4 * n + i * row_bytes, np.float32, self.vocab).copy() for i in handle.want_logits}
-        return StepResult(sampled, logits)
+        logits = {i: self.out_host.view(4 * n + k * row_bytes, np.float32, self.vocab).copy()
+                  for k, i in enumerate(handle.want_logits)}
+        chunk = None
+        if handle.chunk_logits:
+            chunk = self.out_host.view(4 * n + len(handle.want_logits) * row_bytes, np.float32, self.vocab).copy()
+        return StepResult(sampled, logits, chunk)
 
     # ------------------------------------------------------------------ the rest
 
     def run_launch(self, phase: str, tokens: int, index: int, env: dict[str, int] | None = None) -> None:
         """One launch of the program on its own (kernel tests)."""
         bound = self.phases[(phase, tokens)].launches[index]
-        e = dict(self.program.symbols, rows=tokens)
+        e = dict(self.program.symbols, rows=tokens, dec=0)
         e.update(env or {})
+        e.setdefault("prows", e["rows"] - e["dec"])      # a prefill chunk without decode rows unless env says
         bound.run(self.stream, e)
 
     def synchronize(self) -> None:

@@ -13,9 +13,11 @@ a TMA descriptor over a buffer (`{"tmap": {"ptr", "dtype", "rows", "cols", "box_
 the runtime at bind time, passed by value) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
 symbol `{"sym": name, "mul": a, "ceil_div": d, "add": c}` = ceil(sym * a / d) + c. Decode phases use no
 symbols (their per-step values live in the `step` buffers, so a phase is captured once as a CUDA graph);
-prefill and logits phases use `rows` (tokens in this call), `start` (position of row 0), `slot` (the
-sequence's block-table row) and `row0` (first row of x the logits are taken from). `symbols` gives each
-symbol's largest value, which validation uses to bound every reference.
+prefill and logits phases use `rows` (rows of x in this call), `dec` and `prows` (a prefill call's
+decode rows riding along, rows 0 .. dec-1, and its chunk's tokens, rows dec .. rows-1), `start` (position of the
+chunk's first token), `slot` (the chunk's sequence's block-table row) and `row0` (first row of x the logits are
+taken from). `symbols` gives each symbol's largest value, which validation uses to bound every reference; a
+launch whose grid evaluates to zero blocks at a step's values is skipped that step.
 
 `validate` is run by the compiler before it writes a bundle and by the runtime when it loads one, so a
 corrupted or inconsistent program is a one-line error, never a wild pointer on the GPU.

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from imp_runtime.executor import StepRow
+from imp_runtime.executor import PrefillChunk, StepRow
 from imp_runtime.kv_blocks import BlockManager, BlockTable
 
 if TYPE_CHECKING:
@@ -55,12 +55,14 @@ class SchedulerConfig:
     step_tokens: int             # budget of one step: one token per decode row plus prefill chunk tokens
     prefill_chunk: int           # most tokens one prefill call takes
     pipeline: bool = False       # launch each decode before the host work on the previous one's tokens
+    mixed: bool = False          # the step's first prefill chunk rides in its decode launch (one mixed step)
 
     @classmethod
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
         running = min(max_running or executor.max_batch, executor.max_batch)
         return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk,
-                   pipeline=getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0")
+                   pipeline=getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0",
+                   mixed=getattr(executor, "mixed_steps", False) and os.environ.get("IMP_MIXED") != "0")
 
 
 @dataclass(eq=False)
@@ -89,6 +91,7 @@ class _InFlight:
     """A decode step launched by the previous pipelined step and not collected yet."""
     handle: object               # the executor's, for decode_collect
     rows: list[Request]
+    chunk: tuple[Request, int] | None = None     # a prefill chunk riding in the step: (request, tokens)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class StepTimes:
     detokenizing, stop strings), of which `hidden_s` ran while a pipelined decode was on the device. With
     IMP_STEP_STATS=N set, a log line every N steps."""
     steps: int = 0
+    mixed_steps: int = 0         # decode steps that carried a prefill chunk
     decode_rows: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
@@ -107,7 +111,7 @@ class StepTimes:
     def line(self) -> str:
         n = max(self.steps, 1)
         host = self.total_s - self.decode_s - self.prefill_s
-        return (f"{self.steps} steps, {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
+        return (f"{self.steps} steps ({self.mixed_steps} mixed), {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
                 f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f} "
                 f"(of which {1e3 * self.hidden_s / n:.2f} while the device decodes)")
 
@@ -188,14 +192,17 @@ class Scheduler:
             if self.preemptions != preempted:      # victims may have been scheduled before they were chosen
                 rows = [r for r in rows if r.sid is not None]
                 chunks = [(r, n) for r, n in chunks if r.sid is not None]
+            ride = None
+            if self.config.mixed and rows and chunks and chunks[0][1] + len(rows) <= self.config.prefill_chunk:
+                ride, chunks = chunks[0], chunks[1:]
             if pipelined:
-                out += self._launch(rows)
+                out += self._launch(rows, ride)
                 t0 = time.perf_counter()
                 out += self._describe(landed)      # while the device decodes the next step
                 if self._in_flight:
                     self.times.hidden_s += time.perf_counter() - t0
             else:
-                out += self._run_decode(rows)
+                out += self._run_decode(rows, ride)
             out += self._run_prefill(chunks)
             self._reap_cancelled()
             return [o for o in out if not o.request.cancelled]
@@ -285,6 +292,30 @@ class Scheduler:
             self.executor.set_pages(req.sid, list(req.table.pages))
             req.pages_sent = len(req.table.pages)
 
+    def _chunk(self, ride: tuple[Request, int] | None) -> PrefillChunk | None:
+        """A prefill chunk for a mixed step (its pages sent)."""
+        if ride is None:
+            return None
+        self.times.mixed_steps += 1
+        req, n = ride
+        self._send_pages(req)
+        tokens = req.gen.kv_tokens()
+        return PrefillChunk(req.sid, tokens[req.computed:req.computed + n], req.computed,
+                            want_logits=req.computed + n == len(tokens) and not req.gen.out)
+
+    def _chunk_done(self, ride: tuple[Request, int], logits) -> list[StepOutput]:
+        """A prefill chunk's KV is written (alone or riding in a step): the prefix cache learns its pages; a chunk
+        that ends the prompt gives the first token."""
+        req, n = ride
+        if req.done:
+            return []
+        tokens = req.gen.kv_tokens()
+        req.computed += n
+        self.blocks.commit(req.table, tokens, req.computed)
+        if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
+            return [self._advance(req, lambda g: g.on_logits(logits))]
+        return []       # (a request recomputed after preemption already has its next token: gen.pending)
+
     def _step_rows(self, rows: list[Request]) -> list[StepRow]:
         step = []
         for req in rows:
@@ -294,16 +325,18 @@ class Scheduler:
                                 want_logits=g.host_sampled))
         return step
 
-    def _run_decode(self, rows: list[Request]) -> list[StepOutput]:
-        """A decode step from launch to events (the serial path)."""
+    def _run_decode(self, rows: list[Request], ride: tuple[Request, int] | None = None) -> list[StepOutput]:
+        """A decode step (with a riding prefill chunk: a mixed step) from launch to events (the serial path)."""
         if not rows:
             return []
         step = self._step_rows(rows)
         t0 = time.perf_counter()
         try:
-            result = self.executor.decode(step)
+            chunk = self._chunk(ride)
+            result = (self.executor.decode_collect(self.executor.decode_submit(step, chunk)) if chunk
+                      else self.executor.decode(step))
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
-            return [self._fail(req, e) for req in rows]
+            return [self._fail(req, e) for req in rows + ([ride[0]] if ride else [])]
         finally:
             self.times.decode_s += time.perf_counter() - t0
             self.times.decode_rows += len(rows)
@@ -314,18 +347,23 @@ class Scheduler:
                 self.blocks.commit(req.table, req.gen.tokens(), req.computed)
             out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
                                      else g.on_token(result.tokens[i])))
+        if ride is not None:
+            out += self._chunk_done(ride, result.chunk_logits)
         return out
 
-    def _launch(self, rows: list[Request]) -> list[StepOutput]:
-        """The pipelined path, first half: launch the decode step and leave it in flight."""
+    def _launch(self, rows: list[Request], ride: tuple[Request, int] | None = None) -> list[StepOutput]:
+        """The pipelined path, first half: launch the decode step (with a riding prefill chunk: a mixed step)
+        and leave it in flight."""
         if not rows:
             return []
         step = self._step_rows(rows)
         t0 = time.perf_counter()
         try:
-            self._in_flight = _InFlight(self.executor.decode_submit(step), rows)
+            chunk = self._chunk(ride)
+            handle = self.executor.decode_submit(step, chunk) if chunk else self.executor.decode_submit(step)
+            self._in_flight = _InFlight(handle, rows, ride)
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
-            return [self._fail(req, e) for req in rows]
+            return [self._fail(req, e) for req in rows + ([ride[0]] if ride else [])]
         finally:
             self.times.decode_s += time.perf_counter() - t0
             self.times.decode_rows += len(rows)
@@ -340,13 +378,14 @@ class Scheduler:
         if flight is None:
             return [], []
         live = [(i, req) for i, req in enumerate(flight.rows) if not req.done]
-        if not live:       # nobody wants these tokens; the executor needs no collect before its next launch
+        ride = flight.chunk if flight.chunk and not flight.chunk[0].done else None
+        if not live and not ride:   # nobody wants these tokens; the executor needs no collect before its next launch
             return [], []
         t0 = time.perf_counter()
         try:
             result = self.executor.decode_collect(flight.handle)
         except Exception as e:  # noqa: BLE001
-            return [self._fail(req, e) for _, req in live], []
+            return [self._fail(req, e) for req in [r for _, r in live] + ([ride[0]] if ride else [])], []
         finally:
             self.times.decode_s += time.perf_counter() - t0
         landed = []
@@ -358,7 +397,7 @@ class Scheduler:
             if req.gen.record(tok):
                 self._finish(req)
             landed.append((req, tok))
-        return [], landed
+        return (self._chunk_done(ride, result.chunk_logits) if ride else []), landed
 
     def _describe(self, landed: list[tuple[Request, int]]) -> list[StepOutput]:
         """The expensive half of taking each landed token: its text, stop strings, its event."""
@@ -379,11 +418,7 @@ class Scheduler:
                 continue
             finally:
                 self.times.prefill_s += time.perf_counter() - t0
-            req.computed += n
-            self.blocks.commit(req.table, tokens, req.computed)
-            if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
-                out.append(self._advance(req, lambda g: g.on_logits(logits)))
-            # a request recomputed after preemption already has its next token (gen.pending)
+            out += self._chunk_done((req, n), logits)
         return out
 
     def _advance(self, req: Request, sample) -> StepOutput:

@@ -32,6 +32,7 @@ class Limits:
     max_json_depth: int = 64             # deeper bodies are a 400 (deep enough for any real JSON schema)
     max_running: int = 16                # generations interleaved at once; the rest wait in FIFO order
     page_size: int = 16                  # KV page size reported in metrics
+    step_tokens: int | None = None       # tokens one step computes at most (decode rows + prefill); None: the chunk
 
 
 class Service:
@@ -42,7 +43,8 @@ class Service:
         self.limits = limits or Limits()
         self.metrics = Metrics()
         self.metrics.watch_scheduler(engine.scheduler)
-        self.queue = FairQueue(engine, self.metrics, self.limits.max_running, self.limits.page_size)
+        self.queue = FairQueue(engine, self.metrics, self.limits.max_running, self.limits.page_size,
+                               self.limits.step_tokens)
         self.tool_format: ToolFormat = detect_format(engine.chat.source)
         tok = engine.tokenizer
         vocab = max(engine.bundle.spec.vocab_size, tok.vocab_size)
