@@ -25,8 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", default="128,512,4096", help="prefill lengths (default 128,512,4096)")
     p.add_argument("--prompt", type=int, default=16, help="prompt length before a decode run (default 16)")
     p.add_argument("--mixed", default="", metavar="B:T,...",
-                   help="mixed steps: B decode rows with a T-token prefill chunk of another sequence riding in "
-                        "the same launches, timed against the decode step and the prefill run apart (default none)")
+                   help="mixed steps: B decode rows with a T-token prefill chunk of another sequence (after a "
+                        "--prompt-long prefix) riding in the same launches, timed against the decode step and the "
+                        "prefill run apart (default none)")
     p.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(handler=cmd_bench)
@@ -151,7 +152,8 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
             log(f"mixed {b}:{t}: more rows than a prefill phase holds ({ex.prefill_buckets[-1]}), skipped")
             continue
         seqs = [sequence(prompt + 2 * (steps + 1) * runs + 2) for _ in range(b)]
-        other = sequence(t)
+        other = sequence(prompt + t)            # the chunk follows a prompt-long prefix, as a prompt's later chunks do
+        ex.prefill(other[0], rng.integers(3, vocab, prompt).tolist(), 0)
         chunk = rng.integers(3, vocab, t).tolist()
         toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
         pos, times = prompt, {"mixed": [], "apart": []}
@@ -162,10 +164,10 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
                         t0 = time.perf_counter()
                     rows = [StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]
                     if how == "mixed":                 # the chunk's logits come back too, as prefill's do
-                        toks = ex.decode_collect(ex.decode_submit(rows, PrefillChunk(other[0], chunk, 0, True))).tokens
+                        toks = ex.decode_collect(ex.decode_submit(rows, PrefillChunk(other[0], chunk, prompt, True))).tokens
                     else:
                         toks = ex.decode(rows).tokens
-                        ex.prefill(other[0], chunk, 0)
+                        ex.prefill(other[0], chunk, prompt)
                     pos += 1
                 times[how].append((time.perf_counter() - t0) / steps)
         for seq in seqs + [other]:

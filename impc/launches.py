@@ -310,14 +310,15 @@ class ProgramBuilder:
         else:
             wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
             reads = lin.reads()
-        # the wider tile where it still gives every SM a block at the chunk's full size; a chunk of one row
-        # tile splits K so the grid (at most one block per SM: the splits wait on each other) fills the GPU, on
-        # 64-column tiles where 128 would leave fewer than half the SMs a tile (twice the tiles, half the
-        # splits: a shorter chain of splits waiting on each other)
+        # the wider tile where it still gives every SM a block at the chunk's full size; phases of one or two
+        # row tiles (short chunks, decode batches past the GEMV, mixed steps) take the width whose waves of blocks
+        # carry the fewest columns a block (ties to the wider: gate_up at 128 rows runs 384 64-column tiles in 3
+        # waves rather than 192 128-column ones in 2), and split K so the grid (at most one block per SM: the
+        # splits wait on each other) fills the GPU
         rtiles = -(-self.rows_max // WG_TILE_M)
         bn = 256 if -(-lin.n // 256) * rtiles >= self.sm_count else 128
-        if self.rows_max <= WG_MID_CHUNK and -(-lin.n // 128) * rtiles < self.sm_count // 2:
-            bn = 64
+        if self.rows_max <= WG_MID_CHUNK:     # the width with the least work a block wave (waves x width)
+            bn = min((256, 128, 64), key=lambda w: -(-(-(-lin.n // w) * rtiles) // self.sm_count) * w)
         tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
         if self.rows_max <= WG_MID_CHUNK:
             splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // (tiles * rtiles)))

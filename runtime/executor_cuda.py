@@ -270,7 +270,7 @@ class CudaExecutor:
         bound = self.phases[(phase, tokens)].launches[index]
         e = dict(self.program.symbols, rows=tokens, dec=0)
         e.update(env or {})
-        e.setdefault("prows", e["rows"] - e["dec"])      # a prefill chunk without decode rows unless env says
+        e["prows"] = (env or {}).get("prows", e["rows"] - e["dec"])    # a chunk without decode rows unless env says
         bound.run(self.stream, e)
 
     def synchronize(self) -> None:
