@@ -147,13 +147,14 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
             res["ttft_ms"] = 1e3 * statistics.median(times)
         log(f"prefill {pp}: {pp / statistics.median(times):.0f} tok/s")
     steps = 8
-    for b, t in mixed:
-        if b > ex.max_batch or b + t > ex.prefill_buckets[-1]:
-            log(f"mixed {b}:{t}: more rows than a prefill phase holds ({ex.prefill_buckets[-1]}), skipped")
+    for b, t, nc in mixed:
+        if b > ex.max_batch or b + t * nc > ex.prefill_buckets[-1] or nc > getattr(ex, "max_segments", 1):
+            log(f"mixed {b}:{t}x{nc}: more rows or chunks than a prefill phase holds, skipped")
             continue
         seqs = [sequence(prompt + 2 * (steps + 1) * runs + 2) for _ in range(b)]
-        other = sequence(prompt + t)            # the chunk follows a prompt-long prefix, as a prompt's later chunks do
-        ex.prefill(other[0], rng.integers(3, vocab, prompt).tolist(), 0)
+        others = [sequence(prompt + t) for _ in range(nc)]   # each chunk after a prompt-long prefix (a later chunk)
+        for other in others:
+            ex.prefill(other[0], rng.integers(3, vocab, prompt).tolist(), 0)
         chunk = rng.integers(3, vocab, t).tolist()
         toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
         pos, times = prompt, {"mixed": [], "apart": []}
@@ -163,19 +164,22 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
                     if i == 1:
                         t0 = time.perf_counter()
                     rows = [StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]
-                    if how == "mixed":                 # the chunk's logits come back too, as prefill's do
-                        toks = ex.decode_collect(ex.decode_submit(rows, PrefillChunk(other[0], chunk, prompt, True))).tokens
+                    if how == "mixed":                 # the chunks' logits come back too, as prefill's do
+                        chunks = [PrefillChunk(o[0], chunk, prompt, True) for o in others]
+                        toks = ex.decode_collect(ex.decode_submit(rows, chunks)).tokens
                     else:
-                        toks = ex.decode(rows).tokens
-                        ex.prefill(other[0], chunk, prompt)
+                        toks = ex.decode(rows).tokens if rows else []
+                        for o in others:
+                            ex.prefill(o[0], chunk, prompt)
                     pos += 1
                 times[how].append((time.perf_counter() - t0) / steps)
-        for seq in seqs + [other]:
+        for seq in seqs + others:
             release(*seq)
         m, a = statistics.median(times["mixed"]), statistics.median(times["apart"])
-        res.setdefault("mixed", {})[f"{b}:{t}"] = {"mixed_ms": 1e3 * m, "apart_ms": 1e3 * a,
-                                                  "decode_tok_s_mixed": b / m, "decode_tok_s_apart": b / a}
-        log(f"mixed {b} rows + {t}-token chunk: {1e3 * m:.2f} ms a step, apart {1e3 * a:.2f} ms")
+        res.setdefault("mixed", {})[f"{b}:{t}x{nc}"] = {"mixed_ms": 1e3 * m, "apart_ms": 1e3 * a,
+                                                       "decode_tok_s_mixed": b / m, "decode_tok_s_apart": b / a,
+                                                       "prefill_tok_s_mixed": t * nc / m, "prefill_tok_s_apart": t * nc / a}
+        log(f"mixed {b} rows + {nc} chunks of {t} tokens: {1e3 * m:.2f} ms a step, apart {1e3 * a:.2f} ms")
     mem = ex.memory()
     res["memory"] = mem
     res["peak_gpu_memory_bytes"] = mem["device_used_bytes"]
@@ -204,9 +208,10 @@ def format_table(r: dict) -> str:
     for pp, d in r["prefill"].items():
         lines.append(f"  prefill pp{pp:<5}        {d['tok_s']:10.0f} tok/s  ({d['ms']:.1f} ms)")
     for bt, d in r.get("mixed", {}).items():
-        b, t = bt.split(":")
-        lines.append(f"  mixed   {b:>3} decode rows + {t}-token chunk  {d['mixed_ms']:.2f} ms a step "
-                     f"(apart: {d['apart_ms']:.2f} ms = decode step + prefill)")
+        b, tn = bt.split(":")
+        t, n = tn.split("x")
+        lines.append(f"  mixed   {b:>3} decode rows + {n} x {t}-token chunk  {d['mixed_ms']:.2f} ms a step "
+                     f"(apart: {d['apart_ms']:.2f} ms = decode step + prefills)")
     if "ttft_ms" in r:
         lines.append(f"  time to first token (128-token prompt)  {r['ttft_ms']:.1f} ms")
     lines.append(f"  load {r['load_s']:.2f} s; GPU memory in use {r['peak_gpu_memory_bytes'] / 2**30:.2f} GiB "
@@ -223,12 +228,14 @@ def cmd_bench(a) -> int:
     batches = [int(x) for x in a.batches.split(",") if x]
     pps = [int(x) for x in a.pp.split(",") if x]
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    try:
-        mixed = [tuple(int(v) for v in x.split(":")) for x in a.mixed.split(",") if x]
-        if any(len(m) != 2 or min(m) < 1 for m in mixed):
+    try:      # B:T or B:TxN (N chunks of T tokens, each of its own sequence)
+        mixed = [tuple(int(v) for v in x.replace("x", ":").split(":")) for x in a.mixed.split(",") if x]
+        mixed = [m if len(m) == 3 else (*m, 1) for m in mixed]
+        if any(len(m) != 3 or m[0] < 0 or min(m[1:]) < 1 or m[0] + m[2] < 2 for m in mixed):
             raise ValueError
     except ValueError:
-        print(f"impc bench: --mixed {a.mixed}: give pairs B:T of positive numbers, e.g. 64:128,64:448",
+        print(f"impc bench: --mixed {a.mixed}: give B:T or B:TxN (B decode rows, N chunks of T tokens), e.g. "
+              f"64:128,64:448,0:512x4",
               file=sys.stderr)
         return 2
     r = run_bench(a.bundle, batches, a.tg, pps, a.prompt, a.runs, log, mixed)

@@ -30,6 +30,8 @@ WG_STAGES = {64: 8, 128: 6, 256: 4}                     # its ring depth per BN:
 WG_SMALL_CHUNK = 128     # Hopper: smaller prefill phases for chunks of one row tile (split keys) and of two
 WG_MID_CHUNK = 256       # (a mixed step: decode rows plus a short prefill chunk), their GEMMs split over K
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
+MAX_SEGMENTS = 16        # sequences' chunks one call of the largest prefill phase takes (a tile table each step)
+FA_TILE_INTS = 8         # ints of a tile-table entry (templates/attn_prefill.cu.j2)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -74,12 +76,19 @@ def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tupl
     }
 
 
+def max_tiles(rows: int) -> int:
+    """Query tiles of the largest prefill phase's attention at most: its rows in tiles of 64 (the smallest), one
+    partial tile more per sequence."""
+    return -(-rows // 64) + MAX_SEGMENTS
+
+
 def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
     """The values the host sends each step (one contiguous copy): name -> (dtype, count)."""
     R, MB = rows, logit_rows
     return {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
             "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
-            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB)}
+            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
+            "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R))}
 
 
 def wg_smem_bytes(bn: int) -> int:
@@ -528,11 +537,12 @@ class ProgramBuilder:
         return sorted({min(WG_SMALL_CHUNK, self.chunk), min(WG_MID_CHUNK, self.chunk), self.chunk})
 
     def prefill(self, chunk: int) -> Phase:
-        """One sequence's prefill chunk, with the decode rows of other sequences riding in the same launches (a
-        mixed step: the layer GEMMs read each weight once for both). Rows [0, dec) decode one token each: decode's
-        attention, then the head and sampling over them at the end; rows [dec, rows) are the chunk, `prows` tokens
-        at positions start.. of the sequence in block-table row `slot`. A plain prefill has dec = 0: launches
-        whose grid is then empty are skipped (runtime/cuda_program.py)."""
+        """Prefill chunks, with the decode rows of other sequences riding in the same launches (a mixed step: the
+        layer GEMMs read each weight once for both). Rows [0, dec) decode one token each: decode's attention, then
+        the head and sampling over them at the end; rows [dec, rows) are the chunks: in the largest phase those of
+        up to MAX_SEGMENTS sequences (the tile table says which rows), in the others one sequence's `prows` tokens
+        at positions start.. of block-table row `slot`. A plain prefill has dec = 0: launches whose grid is then
+        empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
         self.rows_max, self.wg_layers = chunk, self.wg_mode != "none"
         e = _Emitter(pdl=False)
@@ -541,21 +551,30 @@ class ProgramBuilder:
         prows, after_dec = {"sym": "prows"}, {"sym": "dec", "mul": s.q_dim * 2}
         dec_splits = self.attn_splits(8)
 
-        # the phase of one row tile splits the keys over blocks (a chunk of few rows after a long cached prefix would
+        # The largest phase takes the chunks of several sequences in one call (a batch of new prompts): its attention
+        # walks a table of query tiles, each naming its chunk (the step value fa_tiles, `qtiles` entries). A smaller
+        # phase of one row tile splits the keys over blocks (a chunk of few rows after a long cached prefix would
         # otherwise have N_HEADS blocks each walking every key); splits: ceil(start / FA_KV_SPLIT) + 1, merged when
-        # there are two or more (start > 0: the merge's grid is empty at start 0)
-        split = chunk <= WG_SMALL_CHUNK and "fa_partial" in self.buffers
+        # there are two or more (start > 0: the merge's grid is empty at start 0).
+        many = chunk == max(self.prefill_buckets())
+        split = not many and chunk <= WG_SMALL_CHUNK and "fa_partial" in self.buffers
         z = {"sym": "start", "ceil_div": FA_KV_SPLIT, "add": 1} if split else 1
         part = self.buffers["fa_partial"].bytes if split else 0
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
             self.attn_decode(e, i, window, ofmt, {"sym": "dec"}, dec_splits, planes=False)
-            e.add("attn_prefill_f16", (s.n_heads, rows_div(prows, self.fa_qt), z), (self.fa_threads,),
-                  [ptr("q", after_dec), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row),
-                   i32({"sym": "start"}), i32(prows), i32(window), ptr("attn", after_dec), i32(ofmt),
-                   ptr("fa_partial" if split else None), i32(FA_KV_SPLIT)],
-                  [("q", chunk * s.q_dim * 2)], [("attn", chunk * s.q_dim * 2)] + ([("fa_partial", part)] if split else []),
-                  smem=self.fa_smem)
+            if many:
+                grid, args = (s.n_heads, {"sym": "qtiles"}, 1), [
+                    ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), i32(0), i32(prows), i32(window),
+                    ptr("attn"), i32(ofmt), ptr(None), i32(FA_KV_SPLIT), ptr("fa_tiles")]
+            else:
+                grid, args = (s.n_heads, rows_div(prows, self.fa_qt), z), [
+                    ptr("q", after_dec), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row),
+                    i32({"sym": "start"}), i32(prows), i32(window), ptr("attn", after_dec), i32(ofmt),
+                    ptr("fa_partial" if split else None), i32(FA_KV_SPLIT), ptr(None)]
+            e.add("attn_prefill_f16", grid, (self.fa_threads,), args,
+                  [("q", chunk * s.q_dim * 2)] + ([("fa_tiles", self.buffers["fa_tiles"].bytes)] if many else []),
+                  [("attn", chunk * s.q_dim * 2)] + ([("fa_partial", part)] if split else []), smem=self.fa_smem)
             if split:
                 e.add("attn_prefill_merge", (prows, s.n_heads, {"sym": "start", "ceil_div": 1 << 30}), (s.head_dim,),
                       [ptr("fa_partial"), i32(prows), i32(z), ptr("attn", after_dec), i32(ofmt)],
@@ -628,9 +647,10 @@ class ProgramBuilder:
         consts = {"page_size": self.page, "max_pages": self.max_pages, "max_seqs": self.max_seqs,
                   "kv_pages": self.kv_pages, "max_context": self.max_context, "max_batch": self.max_batch,
                   "prefill_chunk": self.chunk, "vocab_size": self.spec.vocab_size, "hidden": self.spec.hidden,
-                  "rows": self.R, "logit_rows": self.MB}
+                  "rows": self.R, "logit_rows": self.MB, "max_segments": MAX_SEGMENTS, "fa_query_tile": self.fa_qt,
+                  "fa_tile_ints": FA_TILE_INTS}
         symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1,
-                   "dec": self.max_batch, "prows": self.R}
+                   "dec": self.max_batch, "prows": self.R, "qtiles": max_tiles(self.R)}
         return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
                        symbols=symbols, kernel_smem=self.kernel_smem, constants=consts,
                        options=self.opt.to_dict())

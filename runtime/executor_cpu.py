@@ -114,6 +114,7 @@ class CpuExecutor:
     name = "cpu"
     async_decode = False                   # decode_submit computes the step before it returns
     mixed_steps = False                    # a mixed step costs what its parts do: the scheduler keeps them apart
+    max_segments = 16                      # (when a test mixes them anyway)
 
     def __post_init__(self):
         self.spec: ModelSpec = self.bundle.spec
@@ -224,11 +225,11 @@ class CpuExecutor:
             tokens.append(choose(logits[i], r.params, step_rng(r.params.seed, r.position + 1) if seeded else self._rng))
         return StepResult(tokens, {i: logits[i] for i, r in enumerate(rows) if r.want_logits})
 
-    def decode_submit(self, rows: list[StepRow], chunk: PrefillChunk | None = None) -> StepResult:
-        result = self.decode(rows)
-        if chunk is not None:      # another sequence: its prefill is independent of the decode rows
-            logits = self.prefill(chunk.sid, chunk.tokens, chunk.start)
-            result.chunk_logits = logits if chunk.want_logits else None
+    def decode_submit(self, rows: list[StepRow], chunks: list[PrefillChunk] | None = None) -> StepResult:
+        result = self.decode(rows) if rows or not chunks else StepResult([])
+        for c in chunks or []:     # other sequences: their prefills are independent of the decode rows
+            logits = self.prefill(c.sid, c.tokens, c.start)
+            result.chunk_logits.append(logits if c.want_logits else None)
         return result
 
     def decode_collect(self, handle: StepResult) -> StepResult:

@@ -44,7 +44,7 @@ class _Launched:
     number: int                         # the executor's count of launched decode steps
     rows: int
     want_logits: list[int]              # rows whose logits follow the sampled ids in out_host
-    chunk_logits: bool = False          # a mixed step's chunk's last-token logits follow those
+    chunk_logits: list[bool] = field(default_factory=list)   # the step's chunks whose last-token logits follow
 
 
 class CudaExecutor:
@@ -76,6 +76,10 @@ class CudaExecutor:
         self.page_size, self.num_pages, self.max_pages = c["page_size"], c["kv_pages"], c["max_pages"]
         self.max_batch, self.max_context, self.prefill_chunk = c["max_batch"], c["max_context"], c["prefill_chunk"]
         self.max_seqs, self.vocab = c["max_seqs"], c["vocab_size"]
+        # several sequences' chunks in one prefill call (bundles compiled before it: one, and no tile table)
+        self.max_segments = c.get("max_segments", 1)
+        self.mixed_steps = "dec" in p.symbols       # prefill phases that carry decode rows
+        self.fa_qtile, self.fa_tile_ints = c.get("fa_query_tile", 128), c.get("fa_tile_ints", 8)
         self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes())
         for name, nbytes in p.kernel_smem.items():
             self.module.set_max_dynamic_smem(name, nbytes)
@@ -93,7 +97,7 @@ class CudaExecutor:
                      for b in p.buffers.values() if b.kind == "step"}
         logit_rows = p.buffers["logits"].shape[0]
         self.rows = c["rows"]                       # rows of the activation scratch: a mixed step's limit
-        self.out_host = PinnedBuffer(4 * (logit_rows + 1) * (1 + self.vocab))   # + a mixed step's chunk logits
+        self.out_host = PinnedBuffer(4 * (logit_rows + self.max_segments) * (1 + self.vocab))   # + chunks' logits
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
@@ -148,29 +152,62 @@ class CudaExecutor:
                                    self.stream))
 
     def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
-        seq = self._seqs[sid]
         if not tokens:
             raise ValueError("no tokens to prefill")
         if start + len(tokens) > self.max_context:
             raise ValueError(f"sequence of {start + len(tokens)} tokens exceeds the context of {self.max_context}")
-        rows, st = [], self.step
+        rows = []
         for c0 in range(0, len(tokens), self.prefill_chunk):
             chunk = tokens[c0:c0 + self.prefill_chunk]
             t, pos0 = len(chunk), start + c0
-            # the smallest prefill phase that holds the chunk (Hopper: a split-K one for short chunks)
-            phase = self.phases[("prefill", next(b for b in self.prefill_buckets if b >= t))]
             check(cu.cuStreamSynchronize(self.stream))        # the last copy from step_host is done
-            st["tokens"][:t] = chunk
-            st["positions"][:t] = np.arange(pos0, pos0 + t)
-            st["kv_slots"][:t] = [self._kv_slot(seq, p) for p in range(pos0, pos0 + t)]
+            phase, env = self._prefill_rows(0, [PrefillChunk(sid, chunk, pos0)])
             self._send_step()
-            phase.run(self.stream, {"rows": t, "dec": 0, "prows": t, "start": pos0, "slot": seq.slot})
+            phase.run(self.stream, env)
             if all_logits:
                 for r0 in range(0, t, self.logits_buckets[-1]):
                     rows.append(self._logits(r0, min(self.logits_buckets[-1], t - r0)))
         if all_logits:
             return np.concatenate(rows)
         return self._logits(t - 1, 1)[0]
+
+    def _prefill_rows(self, n_dec: int, chunks: list[PrefillChunk]) -> tuple[BoundPhase, dict[str, int]]:
+        """The chunks' step values (their rows follow n_dec decode rows) and the attention's tile table into
+        step_host; the prefill phase that runs them (one chunk: the smallest that holds every row; several: the
+        largest, whose attention walks the tile table) and its per-step symbols."""
+        st, r, segments = self.step, n_dec, []
+        for c in chunks:
+            seq, t = self._seqs[c.sid], len(c.tokens)
+            st["tokens"][r:r + t] = c.tokens
+            st["positions"][r:r + t] = np.arange(c.start, c.start + t)
+            st["kv_slots"][r:r + t] = [self._kv_slot(seq, p) for p in range(c.start, c.start + t)]
+            segments.append((r, t, c.start, seq.slot))
+            r += t
+        qtiles = self.write_tiles(segments)
+        bucket = self.prefill_buckets[-1] if len(chunks) > 1 else next(b for b in self.prefill_buckets if b >= r)
+        first = chunks[0]
+        return self.phases[("prefill", bucket)], {"rows": r, "dec": n_dec, "prows": len(first.tokens),
+                                                  "start": first.start, "slot": self._seqs[first.sid].slot,
+                                                  "qtiles": qtiles}
+
+    def write_tiles(self, segments: list[tuple[int, int, int, int]], send: bool = False) -> int:
+        """The largest prefill phase's attention tile table in step_host (sent when asked) from each chunk's
+        (first row, rows, position of its first token, block-table slot); the number of tiles."""
+        if "fa_tiles" not in self.step:                   # a bundle compiled before the tile table
+            return 0
+        if send:
+            check(cu.cuStreamSynchronize(self.stream))    # the last copy from step_host is done
+        tiles = []
+        for r, t, start, slot in segments:
+            for q0 in range(0, t, self.fa_qtile):        # (keys the tile reads, its entry)
+                tiles.append((start + min(q0 + self.fa_qtile, t), (r, t, start, slot * self.max_pages, q0)))
+        tiles.sort(key=lambda x: -x[0])                   # the longest first, as a one-chunk grid runs them
+        table = self.step["fa_tiles"].reshape(-1, self.fa_tile_ints)
+        for i, (_, entry) in enumerate(tiles):
+            table[i, :5] = entry
+        if send:
+            self._send_step()
+        return len(tiles)
 
     def _logits(self, row0: int, n: int) -> np.ndarray:
         bucket = next(b for b in self.logits_buckets if b >= n)
@@ -183,49 +220,53 @@ class CudaExecutor:
     def decode(self, rows: list[StepRow]) -> StepResult:
         return self.decode_collect(self.decode_submit(rows))
 
-    def decode_submit(self, rows: list[StepRow], chunk: PrefillChunk | None = None) -> _Launched:
+    def decode_submit(self, rows: list[StepRow], chunks: PrefillChunk | list[PrefillChunk] | None = None) -> _Launched:
         """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
-        ids (and asked-for logits) into out_host; no wait for the GPU. With a chunk (a mixed step): the
-        decode rows ride in the smallest prefill phase that holds them and the chunk, launched eagerly."""
-        n = len(rows)
-        if not 1 <= n <= self.max_batch:
+        ids (and asked-for logits) into out_host; no wait for the GPU. With prefill chunks of other sequences (a
+        mixed step; rows may then be empty): the decode rows ride in the chunks' prefill launches, run eagerly,
+        and each chunk that asks for them gets its last token's logits."""
+        chunks = [] if chunks is None else [chunks] if isinstance(chunks, PrefillChunk) else list(chunks)
+        n, t = len(rows), sum(len(c.tokens) for c in chunks)
+        if not (1 if not chunks else 0) <= n <= self.max_batch:
             raise ValueError(f"decode batch of {n} (1..{self.max_batch})")
-        t = len(chunk.tokens) if chunk is not None else 0
-        if chunk is not None:
-            seq = self._seqs[chunk.sid]
-            if not 1 <= t <= self.prefill_buckets[-1] - n:
-                raise ValueError(f"a mixed step of {n} decode rows takes a chunk of 1..{self.prefill_buckets[-1] - n} "
-                                 f"tokens, not {t}")
-            if chunk.start + t > self.max_context:
-                raise ValueError(f"sequence of {chunk.start + t} tokens exceeds the context of {self.max_context}")
+        if chunks:
+            if len(chunks) > self.max_segments or len({c.sid for c in chunks}) < len(chunks):
+                raise ValueError(f"a step takes the chunks of 1..{self.max_segments} distinct sequences, not {len(chunks)}")
+            if any(not c.tokens for c in chunks) or n + t > self.prefill_buckets[-1]:
+                raise ValueError(f"a step of {n} decode rows takes chunks of 1..{self.prefill_buckets[-1] - n} tokens "
+                                 f"in all, not {t}")
+            for c in chunks:
+                if c.start + len(c.tokens) > self.max_context:
+                    raise ValueError(f"sequence of {c.start + len(c.tokens)} tokens exceeds the context of "
+                                     f"{self.max_context}")
         # step_host is one page-locked buffer: the last copy out of it (a decode's or a prefill's) must be
         # done before it is rewritten. A pipelining caller has collected the previous step already, so the
         # stream is idle and this costs a few microseconds.
         check(cu.cuStreamSynchronize(self.stream))
-        b = self._write_step_values(rows)
-        if chunk is None:
+        b = self._write_step_values(rows) if n else 0
+        if not chunks:
             self._send_step()
             self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
-        else:       # the chunk's rows follow the decode rows
-            st = self.step
-            st["tokens"][n:n + t] = chunk.tokens
-            st["positions"][n:n + t] = np.arange(chunk.start, chunk.start + t)
-            st["kv_slots"][n:n + t] = [self._kv_slot(seq, p) for p in range(chunk.start, chunk.start + t)]
+        else:       # the chunks' rows follow the decode rows
+            phase, env = self._prefill_rows(n, chunks)
             self._send_step()
-            phase = self.phases[("prefill", next(x for x in self.prefill_buckets if x >= n + t))]
-            phase.run(self.stream, {"rows": n + t, "dec": n, "prows": t, "start": chunk.start, "slot": seq.slot})
-        check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
+            phase.run(self.stream, env)
+        if n:
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
         row_bytes = 4 * self.vocab
         for k, i in enumerate(want):
             check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
                                        row_bytes, self.stream))
-        if chunk is not None and chunk.want_logits:      # after the copies above: this rewrites logits row 0
-            self.phases[("logits", self.logits_buckets[0])].run(self.stream, {"rows": 1, "row0": n + t - 1})
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + len(want) * row_bytes, self.arena.ptr("logits"),
-                                       row_bytes, self.stream))
+        at, last = 4 * n + len(want) * row_bytes, n
+        for c in chunks:       # after the copies above: each rewrites logits row 0
+            last += len(c.tokens)
+            if c.want_logits:
+                self.phases[("logits", self.logits_buckets[0])].run(self.stream, {"rows": 1, "row0": last - 1})
+                check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + at, self.arena.ptr("logits"), row_bytes, self.stream))
+                at += row_bytes
         self._launched += 1
-        return _Launched(self._launched, n, want, chunk is not None and chunk.want_logits)
+        return _Launched(self._launched, n, want, [c.want_logits for c in chunks])
 
     def _write_step_values(self, rows: list[StepRow]) -> int:
         """The decode step's values into step_host, padding rows up to the graph bucket; the bucket."""
@@ -258,10 +299,11 @@ class CudaExecutor:
         sampled = self.out_host.view(0, np.int32, n).tolist()
         logits = {i: self.out_host.view(4 * n + k * row_bytes, np.float32, self.vocab).copy()
                   for k, i in enumerate(handle.want_logits)}
-        chunk = None
-        if handle.chunk_logits:
-            chunk = self.out_host.view(4 * n + len(handle.want_logits) * row_bytes, np.float32, self.vocab).copy()
-        return StepResult(sampled, logits, chunk)
+        chunks, at = [], 4 * n + len(handle.want_logits) * row_bytes
+        for wanted in handle.chunk_logits:
+            chunks.append(self.out_host.view(at, np.float32, self.vocab).copy() if wanted else None)
+            at += row_bytes if wanted else 0
+        return StepResult(sampled, logits, chunks)
 
     # ------------------------------------------------------------------ the rest
 

@@ -7,6 +7,9 @@ a prefill chunk its length):
    decoding) take the next chunk, oldest first;
 3. waiting requests are admitted in arrival order (FIFO: when the head does not fit, the rest wait
    behind it), each starting after the longest prefix of its prompt found in the prefix cache.
+With `mixed` on (an executor whose prefill launches can carry decode rows, the GPU), the step's prefill chunks
+(up to the executor's max_segments sequences) go into the decode step's call: one pass over the weights for the
+decode rows and every chunk, instead of a decode step plus a prefill call per chunk.
 Pages come from the block manager as positions need them. When a running request needs a page and none
 is left, the most recently admitted request is preempted by recompute: its pages go back (the full ones
 stay in the prefix cache, so recomputing them is usually free), it returns to the head of the queue,
@@ -91,7 +94,7 @@ class _InFlight:
     """A decode step launched by the previous pipelined step and not collected yet."""
     handle: object               # the executor's, for decode_collect
     rows: list[Request]
-    chunk: tuple[Request, int] | None = None     # a prefill chunk riding in the step: (request, tokens)
+    chunks: list[tuple[Request, int]] = field(default_factory=list)   # prefill chunks riding in the step
 
 
 @dataclass
@@ -192,17 +195,20 @@ class Scheduler:
             if self.preemptions != preempted:      # victims may have been scheduled before they were chosen
                 rows = [r for r in rows if r.sid is not None]
                 chunks = [(r, n) for r, n in chunks if r.sid is not None]
-            ride = None
-            if self.config.mixed and rows and chunks and chunks[0][1] + len(rows) <= self.config.prefill_chunk:
-                ride, chunks = chunks[0], chunks[1:]
+            rides: list[tuple[Request, int]] = []     # chunks run in the decode step's launches (a mixed step)
+            if self.config.mixed and chunks and (rows or len(chunks) > 1):
+                room, most = self.config.prefill_chunk - len(rows), getattr(self.executor, "max_segments", 1)
+                while chunks and len(rides) < most and chunks[0][1] <= room:
+                    room -= chunks[0][1]
+                    rides.append(chunks.pop(0))
             if pipelined:
-                out += self._launch(rows, ride)
+                out += self._launch(rows, rides)
                 t0 = time.perf_counter()
                 out += self._describe(landed)      # while the device decodes the next step
                 if self._in_flight:
                     self.times.hidden_s += time.perf_counter() - t0
             else:
-                out += self._run_decode(rows, ride)
+                out += self._run_decode(rows, rides)
             out += self._run_prefill(chunks)
             self._reap_cancelled()
             return [o for o in out if not o.request.cancelled]
@@ -292,16 +298,16 @@ class Scheduler:
             self.executor.set_pages(req.sid, list(req.table.pages))
             req.pages_sent = len(req.table.pages)
 
-    def _chunk(self, ride: tuple[Request, int] | None) -> PrefillChunk | None:
-        """A prefill chunk for a mixed step (its pages sent)."""
-        if ride is None:
-            return None
-        self.times.mixed_steps += 1
-        req, n = ride
-        self._send_pages(req)
-        tokens = req.gen.kv_tokens()
-        return PrefillChunk(req.sid, tokens[req.computed:req.computed + n], req.computed,
-                            want_logits=req.computed + n == len(tokens) and not req.gen.out)
+    def _chunks(self, rides: list[tuple[Request, int]]) -> list[PrefillChunk]:
+        """The prefill chunks of a mixed step (their pages sent)."""
+        chunks = []
+        for req, n in rides:
+            self._send_pages(req)
+            tokens = req.gen.kv_tokens()
+            chunks.append(PrefillChunk(req.sid, tokens[req.computed:req.computed + n], req.computed,
+                                       want_logits=req.computed + n == len(tokens) and not req.gen.out))
+        self.times.mixed_steps += bool(chunks)
+        return chunks
 
     def _chunk_done(self, ride: tuple[Request, int], logits) -> list[StepOutput]:
         """A prefill chunk's KV is written (alone or riding in a step): the prefix cache learns its pages; a chunk
@@ -325,18 +331,18 @@ class Scheduler:
                                 want_logits=g.host_sampled))
         return step
 
-    def _run_decode(self, rows: list[Request], ride: tuple[Request, int] | None = None) -> list[StepOutput]:
-        """A decode step (with a riding prefill chunk: a mixed step) from launch to events (the serial path)."""
-        if not rows:
+    def _run_decode(self, rows: list[Request], rides: list[tuple[Request, int]] = ()) -> list[StepOutput]:
+        """A decode step (with riding prefill chunks: a mixed step) from launch to events (the serial path)."""
+        if not rows and not rides:
             return []
         step = self._step_rows(rows)
         t0 = time.perf_counter()
         try:
-            chunk = self._chunk(ride)
-            result = (self.executor.decode_collect(self.executor.decode_submit(step, chunk)) if chunk
+            chunks = self._chunks(rides)
+            result = (self.executor.decode_collect(self.executor.decode_submit(step, chunks)) if chunks
                       else self.executor.decode(step))
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
-            return [self._fail(req, e) for req in rows + ([ride[0]] if ride else [])]
+            return [self._fail(req, e) for req in rows + [r for r, _ in rides]]
         finally:
             self.times.decode_s += time.perf_counter() - t0
             self.times.decode_rows += len(rows)
@@ -347,23 +353,23 @@ class Scheduler:
                 self.blocks.commit(req.table, req.gen.tokens(), req.computed)
             out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
                                      else g.on_token(result.tokens[i])))
-        if ride is not None:
-            out += self._chunk_done(ride, result.chunk_logits)
+        for ride, logits in zip(rides, result.chunk_logits):
+            out += self._chunk_done(ride, logits)
         return out
 
-    def _launch(self, rows: list[Request], ride: tuple[Request, int] | None = None) -> list[StepOutput]:
-        """The pipelined path, first half: launch the decode step (with a riding prefill chunk: a mixed step)
+    def _launch(self, rows: list[Request], rides: list[tuple[Request, int]] = ()) -> list[StepOutput]:
+        """The pipelined path, first half: launch the decode step (with riding prefill chunks: a mixed step)
         and leave it in flight."""
-        if not rows:
+        if not rows and not rides:
             return []
         step = self._step_rows(rows)
         t0 = time.perf_counter()
         try:
-            chunk = self._chunk(ride)
-            handle = self.executor.decode_submit(step, chunk) if chunk else self.executor.decode_submit(step)
-            self._in_flight = _InFlight(handle, rows, ride)
+            chunks = self._chunks(rides)
+            handle = self.executor.decode_submit(step, chunks) if chunks else self.executor.decode_submit(step)
+            self._in_flight = _InFlight(handle, rows, list(rides))
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
-            return [self._fail(req, e) for req in rows + ([ride[0]] if ride else [])]
+            return [self._fail(req, e) for req in rows + [r for r, _ in rides]]
         finally:
             self.times.decode_s += time.perf_counter() - t0
             self.times.decode_rows += len(rows)
@@ -378,14 +384,14 @@ class Scheduler:
         if flight is None:
             return [], []
         live = [(i, req) for i, req in enumerate(flight.rows) if not req.done]
-        ride = flight.chunk if flight.chunk and not flight.chunk[0].done else None
-        if not live and not ride:   # nobody wants these tokens; the executor needs no collect before its next launch
+        rides = [r for r, _ in flight.chunks if not r.done]
+        if not live and not rides:  # nobody wants these tokens; the executor needs no collect before its next launch
             return [], []
         t0 = time.perf_counter()
         try:
             result = self.executor.decode_collect(flight.handle)
         except Exception as e:  # noqa: BLE001
-            return [self._fail(req, e) for req in [r for _, r in live] + ([ride[0]] if ride else [])], []
+            return [self._fail(req, e) for req in [r for _, r in live] + rides], []
         finally:
             self.times.decode_s += time.perf_counter() - t0
         landed = []
@@ -397,7 +403,8 @@ class Scheduler:
             if req.gen.record(tok):
                 self._finish(req)
             landed.append((req, tok))
-        return (self._chunk_done(ride, result.chunk_logits) if ride else []), landed
+        done = [o for ride, logits in zip(flight.chunks, result.chunk_logits) for o in self._chunk_done(ride, logits)]
+        return done, landed
 
     def _describe(self, landed: list[tuple[Request, int]]) -> list[StepOutput]:
         """The expensive half of taking each landed token: its text, stop strings, its event."""

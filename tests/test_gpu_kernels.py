@@ -540,7 +540,8 @@ def test_attn_decode(ex, layer, b):
 def test_attn_prefill(ex, layer, start, t):
     """attn_prefill_f16 over a chunk after a cached prefix (start > 0), through the sequence's block table, in
     every prefill phase that holds the chunk; the phase of one row tile (Hopper) splits the keys over blocks,
-    ceil(start / 512) + 1 splits, and attn_prefill_merge adds them up."""
+    ceil(start / 512) + 1 splits, and attn_prefill_merge adds them up; the largest phase reads the chunk from its
+    tile table."""
     from imp_runtime.executor_cpu import attention
     s, rng = ex.spec, np.random.default_rng(7 + start)
     buckets = [b for b in ex.prefill_buckets if b >= t]
@@ -559,6 +560,8 @@ def test_attn_prefill(ex, layer, start, t):
         put(ex, buf(x, 0), q.astype(np.float16))
         poison(ex, buf(x, 7))
         env = {"rows": t, "start": start, "slot": 2}
+        if x.args[11].get("ptr") == "fa_tiles":     # the largest phase: its tile table names the chunk
+            env["qtiles"] = ex.write_tiles([(0, t, start, 2)], send=True)
         run(ex, "prefill", bucket, i, **env)
         merge = ex.program.phase("prefill", bucket).launches[i + 1]
         if merge.kernel == "attn_prefill_merge":

@@ -94,41 +94,47 @@ def test_decode_batch_above_gemv_rows_vs_cpu(b):
         gpu.close()
 
 
-@pytest.mark.parametrize("b,t,prefix", [(1, 37, 0), (5, 200, 20), (64, 300, 20)])
-def test_mixed_step_vs_cpu(b, t, prefix):
-    """A mixed step (b decode rows riding in the prefill launches of another sequence's t-token chunk, the
-    smallest prefill phase holding b + t rows: 128, 256 and the 512 chunk): every decode row's logits and the
-    chunk's last-token logits against the cpu executor's decode and prefill; the GPU-sampled greedy tokens are
-    the argmax of the GPU's own logits; the chunk's KV is right (its next decode step agrees too)."""
+@pytest.mark.parametrize("b,ts,prefix", [(1, [37], 0), (5, [200], 20), (64, [300], 20), (0, [100, 57, 300], 10),
+                                         (8, [40, 130, 9, 1], 0)])
+def test_mixed_step_vs_cpu(b, ts, prefix):
+    """A mixed step: b decode rows riding in the prefill launches of other sequences' chunks of ts tokens (one
+    chunk: the smallest prefill phase holding every row, 128, 256 or the 512 chunk; several: the 512 chunk's
+    phase, its attention over a tile table). Every decode row's logits and each chunk's last-token logits against
+    the cpu executor's decode and prefill; the GPU-sampled greedy tokens are the argmax of the GPU's own logits;
+    each chunk's KV is right (the next decode step of its sequence agrees too)."""
     from imp_runtime.executor import PrefillChunk, StepRow
     cpu, gpu = executors(gpu_bundle("qwen3"))
     try:
-        rng = np.random.default_rng(b + t)
+        rng = np.random.default_rng(b + sum(ts))
         prompts = [rng.integers(4, cpu.spec.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, b)]
         nxt = rng.integers(4, cpu.spec.vocab_size, b).tolist()
-        chunk = rng.integers(4, cpu.spec.vocab_size, prefix + t + 1).tolist()
+        texts = [rng.integers(4, cpu.spec.vocab_size, prefix + t + 1).tolist() for t in ts]
         out = {}
         for name, ex in (("cpu", cpu), ("gpu", gpu)):
             seqs = [solo(ex) for _ in prompts]
             for s, p in zip(seqs, prompts):
                 s.prefill(p)
                 s._cover(s.length + 1)
-            other = solo(ex)
-            if prefix:
-                other.prefill(chunk[:prefix])
-            other._cover(prefix + t + 1)
+            others = [solo(ex) for _ in ts]
+            for o, t, text in zip(others, ts, texts):
+                if prefix:
+                    o.prefill(text[:prefix])
+                o._cover(prefix + t + 1)
             rows = [StepRow(s.sid, tok, s.length, want_logits=True) for s, tok in zip(seqs, nxt)]
-            res = ex.decode_collect(ex.decode_submit(rows, PrefillChunk(other.sid, chunk[prefix:prefix + t], prefix,
-                                                                        want_logits=True)))
-            other.length = prefix + t
-            after = other.decode(chunk[-1])       # reads the chunk's KV
-            out[name] = (np.stack([res.logits[i] for i in range(b)]), res.chunk_logits, after, res.tokens)
-            for s in seqs + [other]:
+            chunks = [PrefillChunk(o.sid, text[prefix:prefix + t], prefix, want_logits=True)
+                      for o, t, text in zip(others, ts, texts)]
+            res = ex.decode_collect(ex.decode_submit(rows, chunks))
+            after = []
+            for o, t, text in zip(others, ts, texts):
+                o.length = prefix + t
+                after.append(o.decode(text[-1]))       # reads the chunk's KV
+            out[name] = (np.stack([res.logits[i] for i in range(b)]) if b else np.zeros(1), np.stack(res.chunk_logits),
+                         np.stack(after), res.tokens)
+            for s in seqs + others:
                 s.close()
-        assert rel(out["gpu"][0], out["cpu"][0]) <= 2e-2
-        assert rel(out["gpu"][1], out["cpu"][1]) <= 2e-2
-        assert rel(out["gpu"][2], out["cpu"][2]) <= 2e-2
-        assert out["gpu"][3] == np.argmax(out["gpu"][0], axis=1).tolist()
+        for k in (0, 1, 2) if b else (1, 2):
+            assert rel(out["gpu"][k], out["cpu"][k]) <= 2e-2
+        assert out["gpu"][3] == (np.argmax(out["gpu"][0], axis=1).tolist() if b else [])
     finally:
         gpu.close()
 

@@ -48,21 +48,21 @@ class StreamOrdered:
     def _flush(self) -> None:
         if self.queued is None:
             return
-        number, rows, seqs, chunk = self.queued
+        number, rows, seqs, chunks = self.queued
         self.queued = None
         live = self.ex._seqs
         self.ex._seqs = {**live, **seqs}     # a row freed meanwhile still writes where the stream says
         try:
-            self.results[number] = self.ex.decode_submit(rows, chunk)
+            self.results[number] = self.ex.decode_submit(rows, chunks)
         finally:
             self.ex._seqs = live
 
-    def decode_submit(self, rows, chunk=None):
+    def decode_submit(self, rows, chunks=None):
         self._flush()
         self.launched += 1
         self.results = {}
-        sids = [r.sid for r in rows] + ([chunk.sid] if chunk else [])
-        self.queued = (self.launched, list(rows), {sid: self.ex._seqs[sid] for sid in sids}, chunk)
+        sids = [r.sid for r in rows] + [c.sid for c in chunks or []]
+        self.queued = (self.launched, list(rows), {sid: self.ex._seqs[sid] for sid in sids}, chunks)
         return self.launched
 
     def decode_collect(self, handle):
