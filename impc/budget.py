@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from impc.errors import CompileError
-from impc.forward import embed, layer_forward, layer_weights, log_probs
+from impc.forward import embed, final_hidden, layer_forward, layer_weights, log_probs
 from impc.plan import GiB, tensor_bytes, weights_bytes
 from impc.progress import Progress
 from imp_runtime.spec import ModelSpec
@@ -79,11 +79,16 @@ def sensitivity_chunks(chunks: np.ndarray, n_tokens: int = SENSITIVITY_TOKENS,
     return chunks[rows, :t]
 
 
+def measurement_group(name: str) -> str:
+    """Tensors measured together: a layer's ("layers.3"), or the head alone."""
+    return name.rsplit(".", 1)[0] if name.startswith("layers.") else name
+
+
 class SensitivityMeter:
     """The reference model on the sensitivity tokens, run once: each layer's input and the next-token
-    distributions. measure() then runs one tensor's replacement from its own layer on (float32
-    log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding). It is
-    safe to call from several threads: it only reads what __init__ computed, and each value is
+    distributions. measure_group() then runs each of a layer's tensors' replacement from that layer on
+    (float32 log-probabilities: the KLs compared here are 1e-4 and up, far above float32's rounding). It
+    is safe to call from several threads: it only reads what __init__ computed, and each value is
     computed the same way whichever thread runs it."""
 
     def __init__(self, spec: ModelSpec, reference: Mapping[str, np.ndarray], chunks: np.ndarray):
@@ -96,26 +101,56 @@ class SensitivityMeter:
 
     def measure(self, name: str, quantized: np.ndarray) -> float:
         """Mean KL(reference || reference with only `name` replaced by `quantized`)."""
+        return self.measure_group({name: quantized})[name]
+
+    def measure_group(self, replacements: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """measure() of several tensors of one layer (or of the head alone), each replaced on its own. The
+        runs go through the layers after theirs as one batch: a layer's four runs of 128 tokens take
+        ~20% less time as products of 512 rows than one by one."""
         spec, reference = self.spec, self.reference
-        if name == "lm_head":
-            x, weights = self.inputs[-1], {**reference, "lm_head": quantized}
-        else:
-            layer, weights = int(name.split(".")[1]), reference
+        names = list(replacements)
+        if len({measurement_group(n) for n in names}) != 1:
+            raise ValueError(f"one layer's tensors at a time, not {names}")
+        if names == ["lm_head"]:
+            return {"lm_head": self._mean_kls({**reference, "lm_head": replacements["lm_head"]}, self.inputs[-1])[0]}
+        layer = int(names[0].split(".")[1])
+        runs = []
+        for name in names:
             w = layer_weights(reference, layer)
-            w[name.rsplit(".", 1)[1]] = quantized
-            x = layer_forward(spec, layer, w, self.inputs[layer])
-            for j in range(layer + 1, spec.n_layers):
-                x = layer_forward(spec, j, layer_weights(reference, j), x)
-        logp = log_probs(spec, weights, x, np.float32)
-        return float(np.mean(np.sum(self.ref_p * (self.ref_logp - logp), axis=-1)))     # = mean_kl
+            w[name.rsplit(".", 1)[1]] = replacements[name]
+            runs.append(layer_forward(spec, layer, w, self.inputs[layer]))
+        x = np.concatenate(runs)                          # [runs x chunks, T, D]
+        for j in range(layer + 1, spec.n_layers):
+            x = layer_forward(spec, j, layer_weights(reference, j), x)
+        return dict(zip(names, self._mean_kls(reference, x)))
+
+    def _mean_kls(self, weights: Mapping[str, np.ndarray], x: np.ndarray) -> list[float]:
+        """The last layer's output of one or more runs, stacked along the chunk axis -> each run's mean
+        KL(reference || run): forward.mean_kl of forward.log_probs in float32, worked in place."""
+        spec = self.spec
+        head = weights["embed"] if spec.tie_embeddings else weights["lm_head"]
+        logits = final_hidden(spec, weights, x).reshape(-1, x.shape[-1]) @ head.T
+        if spec.final_softcap:
+            logits = np.tanh(logits / np.float32(spec.final_softcap)) * np.float32(spec.final_softcap)
+        rows = self.ref_logp.shape[0]
+        scratch = np.empty_like(self.ref_logp)
+        out = []
+        for r in range(0, logits.shape[0], rows):
+            logp = logits[r:r + rows]
+            logp -= logp.max(axis=-1, keepdims=True)
+            logp -= np.log(np.sum(np.exp(logp, out=scratch), axis=-1, keepdims=True))
+            np.subtract(self.ref_logp, logp, out=logp)
+            logp *= self.ref_p
+            out.append(float(np.mean(np.sum(logp, axis=-1))))
+        return out
 
 
 class BackgroundMeasurements:
     """Sensitivities measured on worker threads while the caller goes on: the meter is built by a worker
-    (make_meter: the reference model's run), then submit() each tensor as soon as its quantized values
-    exist. At most `beside` threads work at once until more_cores() (the caller's own work is done),
-    then up to `after`. A context manager: leaving it cancels what has not started (after an error)
-    and waits for what has."""
+    (make_meter: the reference model's run), then submit() each layer's tensors as soon as their
+    quantized values exist. At most `beside` threads work at once until more_cores() (the caller's own
+    work is done), then up to `after`. A context manager: leaving it cancels what has not started
+    (after an error) and waits for what has."""
 
     def __init__(self, make_meter: Callable[[], SensitivityMeter], beside: int = 1,
                  after: int = min(2, os.cpu_count() or 1)):
@@ -123,10 +158,10 @@ class BackgroundMeasurements:
         self.slots = threading.Semaphore(beside)
         self.extra = self.after - beside
         self.pool = ThreadPoolExecutor(max_workers=self.after)
-        self.pending: dict[str, Future] = {}
+        self.pending: dict[str, Future] = {}           # tensor -> its group's {tensor: KL}
         self.meter = self.pool.submit(self._in_slot, make_meter)
 
-    def _in_slot(self, work: Callable[[], float | SensitivityMeter]):
+    def _in_slot(self, work: Callable[[], dict[str, float] | SensitivityMeter]):
         with self.slots:
             return work()
 
@@ -136,12 +171,15 @@ class BackgroundMeasurements:
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _measure(self, name: str, values: np.ndarray) -> float:
+    def _measure(self, replacements: dict[str, np.ndarray]) -> dict[str, float]:
         meter = self.meter.result()                     # built by then: it was the first job
-        return self._in_slot(lambda: meter.measure(name, values))
+        return self._in_slot(lambda: meter.measure_group(replacements))
 
-    def submit(self, name: str, values: np.ndarray) -> None:
-        self.pending[name] = self.pool.submit(self._measure, name, values)
+    def submit(self, replacements: dict[str, np.ndarray]) -> None:
+        """One measurement group's tensors (measurement_group), by name."""
+        job = self.pool.submit(self._measure, dict(replacements))
+        for name in replacements:
+            self.pending[name] = job
 
     def more_cores(self) -> None:
         for _ in range(self.extra):
@@ -153,9 +191,29 @@ class BackgroundMeasurements:
         p = progress or Progress(quiet=True)
         out = {}
         for n, name in enumerate(names, 1):
-            out[name] = self.pending[name].result()
+            out[name] = self.pending[name].result()[name]
             p.count("tensors measured", n, len(names))
         return out
+
+
+class GroupCollector:
+    """Hands tensors to BackgroundMeasurements a measurement group at a time: each group is submitted
+    once all of its expected tensors have arrived (in the order they arrived, so the batch is the same
+    on every run)."""
+
+    def __init__(self, bg: BackgroundMeasurements, expected: list[str]):
+        self.bg = bg
+        self.left: dict[str, int] = {}
+        for name in expected:
+            self.left[measurement_group(name)] = self.left.get(measurement_group(name), 0) + 1
+        self.waiting: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(self, name: str, values: np.ndarray) -> None:
+        group = measurement_group(name)
+        self.waiting.setdefault(group, {})[name] = values
+        self.left[group] -= 1
+        if self.left[group] == 0:
+            self.bg.submit(self.waiting.pop(group))
 
 
 def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
@@ -164,8 +222,9 @@ def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], qu
     """Mean KL(reference || reference with one tensor replaced by its quantized values), per tensor.
     (The compiler overlaps these with the GPTQ pass instead: quantize_calibrated.py.)"""
     with BackgroundMeasurements(lambda: SensitivityMeter(spec, reference, chunks), threads, threads) as bg:
+        collector = GroupCollector(bg, list(quantized))
         for name, values in quantized.items():
-            bg.submit(name, values)
+            collector.add(name, values)
         return bg.results(list(quantized), progress)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from impc.errors import CompileError
 from impc.forward import embed, final_hidden, layer_forward, layer_weights
-from impc.gptq import gptq_nvfp4_with_error, weighted_error
+from impc.gptq import gptq_nvfp4_with_error, output_energy
 from impc.progress import Progress
 from impc.quantize import NVFP4Tensor
 from imp_runtime.chat_template import ChatTemplate, TemplateError
@@ -107,7 +107,7 @@ class CalibratedModel:
 def relative_output_error(w: np.ndarray, error: float, hessian: np.ndarray) -> float:
     """sqrt(tr(dW H dW^T) / tr(W H W^T)) given the numerator: the change of the linear's outputs on the
     calibration inputs, relative to the outputs."""
-    ref = weighted_error(w, np.zeros_like(w), hessian)
+    ref = output_energy(w, hessian)
     return float(np.sqrt(max(error, 0.0) / ref)) if ref > 0 else 0.0
 
 

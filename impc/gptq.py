@@ -76,7 +76,7 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
         scales = weighted_scale_search(w, scales, float(tscale[0]), np.diag(h))
     step = np.repeat(E4M3_VALUES[scales].T.astype(np.float64) * float(tscale[0]), BLOCK, axis=0)   # [Kp, N]
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(kp)
-    h, w, step = h[np.ix_(order, order)], w[:, order], step[order]
+    h, w, step = h.take(order, 0).take(order, 1), w.take(order, 1), step.take(order, 0)
     f = hessian_factor(h, damp)
     del h
     fb = f.feedback
@@ -95,15 +95,16 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
         i2 = min(i1 + LAZY_BLOCK, kp)
         wb = wt[i1:i2] + fb[i1:i2, :i1] @ dt[:i1]       # the earlier blocks' feedback as one product
         stp = step[i1:i2]
-        inv_step = np.where(stp > 0, 1.0 / np.where(stp > 0, stp, 1.0), 0.0)
+        # 4 / step (0 where a block is all zeros: code 0): 4 x the old 1 / step, the same products
+        inv4 = np.where(stp > 0, 4.0 / np.where(stp > 0, stp, 1.0), 0.0)
         for c in range(i1, i2):
             x = wb[c - i1] + fb[c, i1:c] @ dt[i1:c]         # + this block's earlier columns' (one gemv)
-            q = e2m1_codes(x * inv_step[c - i1])             # a zero step (all-zero block) gives code 0
+            q = e2m1_codes_of_quarters(x * inv4[c - i1])
             codes[c] = q
             deq = E2M1_VALUES[q] * step[c]
-            dt[c] = wt[c] - deq
-            e = x - deq
-            seen_error[c] = e @ e
+            np.subtract(wt[c], deq, out=dt[c])
+            x -= deq
+            seen_error[c] = x @ x
     codes = np.ascontiguousarray(codes[np.argsort(order)].T)
     # GPTQ's own loss is the weighted error for free: with D = W - Q, D R's column c is R_cc times the
     # rounding error of column c as the loop saw it, and ||D R||^2 = tr(D H_damped D^T); removing the
@@ -112,51 +113,105 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     return GPTQResult(NVFP4Tensor(pack_codes(codes), scales, tscale, (n, k)), loss)
 
 
-# E2M1 rounding as round_e2m1 does it (nearest, ties to the even code, saturating at 6), by counting the
-# decision points below |x|: seven comparisons run several times faster than searchsorted on big arrays.
-# (threshold, whether a value equal to it rounds up): ties go down at .25, 1.25, 2.5, 5 and up at .75,
-# 1.75, 3.5.
-_E2M1_DECISIONS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# E2M1 rounding as round_e2m1 does it (nearest, ties to the even code, saturating at 6), by table: in
+# units of a quarter (y = 4x, exact) every decision point is an integer, so floor(y) names the interval
+# between two integers and a table its code; only a y exactly on a decision point needs a second look
+# (ties go down at 1, 5, 10, 20 quarters and up at 3, 7, 14). A handful of numpy calls instead of the
+# seven comparisons before: the GPTQ loop calls this once per column, ~100k times per SmolLM2 compile.
+_DECISIONS = ((1, False), (3, True), (5, False), (7, True), (10, False), (14, True), (20, False))   # (quarters, tie goes up)
+# code on (j, j+1) for j = 0 .. 21, the last standing for every y >= 21 (no decision point there)
+_MAGNITUDE = np.array([sum(t <= j for t, _ in _DECISIONS) for j in range(22)], dtype=np.uint8)
+# indexed by floor(y) + 21, clipped to 0 .. 42: the interval (j, j+1) of a negative j holds -y in (-j-1, -j)
+_SIGNED = np.concatenate([8 | _MAGNITUDE[20::-1], _MAGNITUDE]).astype(np.uint8)
+_TIE_FIX = np.zeros(43, dtype=np.int8)          # y exactly on a decision point: the code's correction
+for _t, _up in _DECISIONS:
+    if _up:
+        _TIE_FIX[21 - _t] = 1                   # y = -t: the magnitude goes up
+    else:
+        _TIE_FIX[21 + _t] = -1                  # y = +t: down
+_MAGNITUDE_VALUE = E2M1_VALUES[_MAGNITUDE].astype(np.float64)                       # value on (j, j+1)
+_TIE_DOWN_VALUE = np.array([(E2M1_VALUES[_MAGNITUDE[j]] - E2M1_VALUES[_MAGNITUDE[j] - 1]) if (j, False) in _DECISIONS
+                            else 0.0 for j in range(22)])                           # value's correction at y = j
 
 
 def e2m1_codes(x: np.ndarray) -> np.ndarray:
     """The same nibbles as impc.quantize.round_e2m1 (tests/test_calibrate.py checks it on every tie)."""
-    return e2m1_magnitude_codes(np.abs(x)) | ((x < 0).view(np.uint8) << 3)
+    return e2m1_codes_of_quarters(np.asarray(x, dtype=np.float64) * 4.0)
 
 
-def e2m1_magnitude_codes(a: np.ndarray) -> np.ndarray:
-    """Non-negative values to the codes 0..7 of their nearest E2M1 magnitudes."""
-    code = np.zeros(a.shape, dtype=np.uint8)
-    for t, tie_up in _E2M1_DECISIONS:
-        code += (a >= t if tie_up else a > t).view(np.uint8)
-    return code
+def e2m1_codes_of_quarters(y: np.ndarray) -> np.ndarray:
+    """E2M1 nibbles of y / 4 (y float64)."""
+    j = np.floor(y)
+    tie = y == j
+    j += 21.0
+    np.maximum(j, 0.0, out=j)                   # saturation at +-6 (beyond the table's last intervals)
+    np.minimum(j, 42.0, out=j)
+    i = j.astype(np.intp)
+    q = _SIGNED[i]                              # -0.0 lands on floor 0: code 0, as round_e2m1 gives
+    if tie.any():
+        q = (q + _TIE_FIX[i] * tie).astype(np.uint8)
+    return q
+
+
+def e2m1_magnitude_values_of_quarters(y: np.ndarray) -> np.ndarray:
+    """The nearest E2M1 magnitudes (float64) of non-negative y / 4, ties to the even code."""
+    j = np.floor(y)
+    tie = y == j
+    np.minimum(j, 21.0, out=j)
+    i = j.astype(np.intp)
+    v = _MAGNITUDE_VALUE[i]
+    if tie.any():
+        v -= _TIE_DOWN_VALUE[i] * tie
+    return v
+
+
+SEARCH_CHUNK = 16384     # elements of W per step of the scale search: its temporaries stay in the core's cache
 
 
 def weighted_scale_search(w: np.ndarray, nominal: np.ndarray, st: float, weight: np.ndarray) -> np.ndarray:
     """Per block, the E4M3 code among nominal-1, nominal, nominal+1 whose rounding to nearest has the
-    least input-weighted squared error sum_j H_jj (w_j - q_j)^2."""
+    least input-weighted squared error sum_j H_jj (w_j - q_j)^2 (a few rows at a time: ten passes over
+    a whole [N, K] float64 array per candidate ran at memory speed, twice as slow)."""
     n, kp = w.shape
-    mag = np.abs(w).reshape(n, kp // BLOCK, BLOCK)      # the grid is symmetric: magnitudes suffice
     wgt = weight.reshape(1, kp // BLOCK, BLOCK)
-    best, best_err = nominal, None
-    for offset in (0, -1, 1):
-        cand = np.where(nominal == 0, 0, np.clip(nominal.astype(np.int16) + offset, 1, 126)).astype(np.uint8)
-        stp = (E4M3_VALUES[cand].astype(np.float64) * st)[:, :, None]
-        # a zero step (scale code 0) rounds its block to zeros whatever the codes: divide by 1 there
-        d = mag - E2M1_VALUES[e2m1_magnitude_codes(mag / np.where(stp > 0, stp, 1.0))] * stp
-        d *= d
-        d *= wgt
-        err = np.sum(d, axis=2)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best, best_err = np.where(better, cand, best), np.where(better, err, best_err)
-    return best.astype(np.uint8)
+    nominal = np.asarray(nominal, dtype=np.uint8)
+    cands = [np.where(nominal == 0, 0, np.clip(nominal.astype(np.int16) + offset, 1, 126)).astype(np.uint8)
+             for offset in (0, -1, 1)]
+    # in quarters of a step (a quarter step is exact); a zero step (scale code 0) rounds its block to
+    # zeros whatever the codes: an infinite quarter there gives 0
+    steps = [(E4M3_VALUES[c].astype(np.float64) * st)[:, :, None] for c in cands]
+    quarters = [np.where(s > 0, s * 0.25, np.inf) for s in steps]
+    best = nominal.copy()
+    rows = max(1, SEARCH_CHUNK // kp)
+    for r1 in range(0, n, rows):
+        r = slice(r1, min(n, r1 + rows))
+        mag = np.abs(w[r]).reshape(-1, kp // BLOCK, BLOCK)       # the grid is symmetric: magnitudes suffice
+        best_err = None
+        for cand, stp, quarter in zip(cands, steps, quarters):
+            d = e2m1_magnitude_values_of_quarters(mag / quarter[r])
+            d *= stp[r]
+            np.subtract(mag, d, out=d)
+            d *= d
+            d *= wgt
+            err = np.sum(d, axis=2)
+            if best_err is None:
+                best_err = err
+            else:
+                better = err < best_err
+                best[r] = np.where(better, cand[r], best[r])
+                best_err = np.where(better, err, best_err)
+    return best
 
 
 def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> float:
     """tr((W - Q) H (W - Q)^T): the summed squared change of the layer's outputs on the calibration set
     (float32 products: a diagnostic, not an input to any rounding decision)."""
-    d = (np.asarray(w, dtype=np.float64) - np.asarray(deq, dtype=np.float64)).astype(np.float32)
-    return float(np.sum((d @ hessian.astype(np.float32)) * d, dtype=np.float64))
+    return output_energy(np.asarray(w, dtype=np.float64) - np.asarray(deq, dtype=np.float64), hessian)
+
+
+def output_energy(w: np.ndarray, hessian: np.ndarray) -> float:
+    """tr(W H W^T) = sum_ij H_ij (W^T W)_ij, with W^T W in float32. numpy hands a matrix times its own
+    transpose to BLAS's syrk (one triangle: N K^2 products, against 2 N K^2 for W @ H)."""
+    d = np.asarray(w, dtype=np.float32)
+    gram = d.T @ d
+    return float(np.sum(gram * hessian, dtype=np.float64))

@@ -14,7 +14,8 @@ from typing import Iterable
 
 import numpy as np
 
-from impc.budget import BackgroundMeasurements, SensitivityMeter, candidates, choose_formats, parse_budget, sensitivity_chunks
+from impc.budget import (BackgroundMeasurements, GroupCollector, SensitivityMeter, candidates, choose_formats,
+                          parse_budget, sensitivity_chunks)
 from impc.calibrate import CHUNK_TOKENS, calibrate, calibration_set
 from impc.errors import CompileError
 from impc.gptq import DAMP
@@ -79,9 +80,9 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
             stored[name] = rounded[name].dequantize()
         else:
             stored[name] = w
-    # The budget's sensitivity of a tensor needs only that tensor's GPTQ result, so it is measured on a
-    # second thread while GPTQ (sequential by nature) goes on with the next layers; once GPTQ is done,
-    # two threads measure. Each value is computed the same way on either thread.
+    # The budget's sensitivity of a tensor needs only that tensor's GPTQ result, so a layer's tensors are
+    # measured on a second thread (as one batch) while GPTQ (sequential by nature) goes on with the next
+    # layers; once GPTQ is done, two threads measure. Each value is computed the same way on either thread.
     cands = candidates(formats)
     sensitivity: dict[str, float] = {}
 
@@ -93,12 +94,13 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
         return SensitivityMeter(spec, reference, sensitivity_chunks(calib.chunks))
 
     with ExitStack() as stack:
-        bg = None
+        bg = collector = None
         if budget.bytes_for(base_bytes) > base_bytes and cands:
             bg = stack.enter_context(BackgroundMeasurements(reference_meter))
+            collector = GroupCollector(bg, cands)      # a layer's tensors are measured together
         t0 = time.perf_counter()
         cal = calibrate(spec, stored, formats, calib, p,
-                        (lambda name, values: bg.submit(name, values) if name in cands else None) if bg else None)
+                        (lambda name, values: collector.add(name, values) if name in cands else None) if bg else None)
         p.info(f"GPTQ: {time.perf_counter() - t0:.1f} s, {np.mean(cal.layer_seconds):.2f} s per layer; relative "
                f"output error on the calibration data: mean {_mean(cal.output_error):.4f}")
         if bg:

@@ -66,6 +66,29 @@ def test_compiler_forward_matches_cpu_executor(family, bundles):
     assert np.max(np.abs(got - ref)) < 1e-4
 
 
+
+@pytest.mark.parametrize("window", [0, 37, 1000])
+def test_blocked_causal_attention_equals_the_kernel_reference(window):
+    """forward.causal_attention (query blocks, keys cut to what each block may see) against the cpu
+    executor's attention, with GQA, a ragged last block and a window shorter than a block."""
+    from imp_runtime.executor_cpu import attention
+    from impc.forward import QUERY_BLOCK, causal_attention
+
+    rng = np.random.default_rng(7)
+    t = 2 * QUERY_BLOCK + 22
+    q, k, v = (rng.standard_normal((t, h, 32), dtype=np.float32) * 2 for h in (6, 2, 2))
+    want = attention(q, k, v, np.arange(t), 0.17, window)
+    np.testing.assert_allclose(causal_attention(q, k, v, 0.17, window), want, rtol=0, atol=2e-5)
+
+
+def test_in_place_silu_is_the_reference_bit_for_bit():
+    from imp_runtime.executor_cpu import gated_act
+    from impc.forward import gated_activation
+
+    x = np.random.default_rng(8).standard_normal((33, 2 * 48), dtype=np.float32) * 6
+    for act in ("silu", "gelu_tanh"):
+        assert np.array_equal(gated_activation(x, act), gated_act(x, act))
+
 # ------------------------------------------------------------------ calibration data
 
 def test_calibration_set_tokenizes_prose_then_rendered_chats(checkpoints, tmp_path):
@@ -128,8 +151,11 @@ def test_calibration_beats_rounding_on_text_it_did_not_see(checkpoints, texts, t
 # ------------------------------------------------------------------ GPTQ's pieces
 
 def test_e2m1_codes_equal_round_to_nearest_even():
-    """The comparison-counting rounding GPTQ uses against quantize.round_e2m1 (searchsorted on the
-    decision points) and against hand-written codes at every tie and around it."""
+    """The table rounding GPTQ uses against quantize.round_e2m1 (searchsorted on the decision points)
+    and against hand-written codes at every tie and around it, and far past the table's end (saturation),
+    as codes and as the scale search's magnitudes."""
+    from impc.gptq import e2m1_magnitude_values_of_quarters
+    from imp_runtime.nvfp4 import E2M1_VALUES
     from impc.gptq import e2m1_codes
     from impc.quantize import round_e2m1
 
@@ -139,9 +165,12 @@ def test_e2m1_codes_equal_round_to_nearest_even():
     assert e2m1_codes(-ties).tolist() == [8, 10, 10, 12, 12, 14, 14, 15, 15, 0]
     rng = np.random.default_rng(0)
     x = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 9), rng.standard_normal(20000) * 3,
-                        rng.integers(-60, 60, 2000) / 8.0])
+                        rng.integers(-60, 60, 2000) / 8.0, rng.integers(-100, 100, 2000) / 4.0,
+                        [5.25, 5.5, 1e6, 1e300, np.inf, 1e-300]])
     x = np.concatenate([x, -x])
     assert np.array_equal(e2m1_codes(x), round_e2m1(x))
+    a = np.abs(x)
+    assert np.array_equal(e2m1_magnitude_values_of_quarters(a * 4), E2M1_VALUES[round_e2m1(a)])
 
 
 def test_gptq_over_several_lazy_blocks_matches_float64_reference_and_reports_its_error():
