@@ -183,17 +183,22 @@ def test_pipelined_cancellation_frees_pages_at_once(engines, mode):
     assert 4 <= len(piped[1]) < len(serial[1]) and piped[1] == serial[1][:len(piped[1])]
 
 
-def test_pipelined_scheduler_keeps_every_page_accounted_for(bundles):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_pipelined_scheduler_keeps_every_page_accounted_for(bundles, mixed):
     """Any interleaving of submissions (stop strings, stop tokens, budgets), cancellations and steps on a
-    pool small enough to preempt, pipelined on StreamOrdered: after every step each page is free, cached
-    or held by exactly the live requests whose tables list it; finished and cancelled requests hold
-    nothing; each stream ends with exactly one finish event, never past its budget or into a stop string."""
+    pool small enough to preempt, pipelined on StreamOrdered (and with every prefill chunk riding in the
+    step's decode call, `mixed`, under a small step budget so prompts go in several chunks): after every step
+    each page is free, cached or held by exactly the live requests whose tables list it; finished and
+    cancelled requests hold nothing; each stream ends with exactly one finish event, never past its budget or
+    into a stop string."""
     from hypothesis import settings
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
     eng = Engine(bundles("llama_tied", "bf16"), device="cpu")
     eng.scheduler.config.pipeline = True
+    if mixed:
+        eng.scheduler.config.mixed, eng.scheduler.config.step_tokens = True, 16
     eng.executor = eng.scheduler.executor = StreamOrdered(eng.executor)
     blocks = eng.blocks = eng.scheduler.blocks = BlockManager(8, eng.executor.page_size)    # 112 tokens
 
@@ -258,6 +263,7 @@ def test_pipelined_scheduler_keeps_every_page_accounted_for(bundles):
             assert blocks.in_use() == 0 and not eng.executor._seqs
 
     run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
+    assert not mixed or eng.scheduler.times.mixed_steps > 0
 
 
 @pytest.mark.parametrize("mode", MODES)
