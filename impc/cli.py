@@ -39,8 +39,9 @@ def _add_compile(sub) -> None:
     p.add_argument("--max-batch", type=int, default=64, metavar="N", help="most sequences decoded at once (default 64)")
     p.add_argument("--name", default=None,
                    help="model name the bundle serves under (default: the checkpoint's file or folder name)")
-    p.add_argument("--gemv-max-rows", type=int, default=16, metavar="N", choices=[0, 1, 2, 4, 8, 16],
-                   help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default 16)")
+    p.add_argument("--gemv-max-rows", type=int, default=None, metavar="N", choices=[0, 1, 2, 4, 8, 16],
+                   help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default 16; "
+                        "8 on Hopper for hidden sizes of 4096 and up, whose 16-row steps run faster on the GEMM)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="no programmatic dependent launch in the decode graphs (default: on)")
     p.add_argument("--prefill-split-k", action="store_true",

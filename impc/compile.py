@@ -39,7 +39,8 @@ class CompileOptions:
     max_context: int | None = None
     max_batch: int = 64
     name: str | None = None          # served model name (default: the checkpoint's file or folder name)
-    gemv_max_rows: int = 16          # decode batches up to this many rows run the GEMV, larger the GEMM
+    gemv_max_rows: int | None = None   # decode batches up to this many rows run the GEMV, larger the GEMM (None:
+                                       # by the shape, impc/launches.py)
     pdl: bool = True                 # programmatic dependent launch in the decode graphs
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)

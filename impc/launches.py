@@ -40,7 +40,8 @@ ROWS = {"sym": "rows"}
 @dataclass(frozen=True)
 class ProgramOptions:
     """Compile options that shape the launch sequence (recorded in the manifest and the program)."""
-    gemv_max_rows: int = 16         # decode steps of up to this many rows use the GEMV, larger ones the GEMM
+    gemv_max_rows: int | None = None   # decode steps of up to this many rows use the GEMV, larger ones the GEMM
+                                       # (None: ProgramBuilder.gemv_rows decides by the shape)
     pdl: bool = True                # programmatic dependent launch inside the decode graphs
     prefill_split_k: bool = False   # atomic split-K in prefill GEMMs (faster for small chunks, not bitwise
                                     # reproducible: sums then depend on arrival order)
@@ -268,6 +269,7 @@ class ProgramBuilder:
     def __init__(self, spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict,
                  options: ProgramOptions, synthetic_seed: int | None = None):
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
+        self.gemv_rows = options.gemv_max_rows
         self.seed = synthetic_seed
         t = plan["targets"][target["name"]]
         self.page, self.chunk, self.kv_pages = t["page_size"], t["prefill_chunk"], t["kv_pages"]
@@ -278,6 +280,10 @@ class ProgramBuilder:
         self.sm_count = target["sm_count"]
         self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim, target["smem_per_block_bytes"])
         self.wg_mode = t.get("prefill_weights", "none")
+        if self.gemv_rows is None:
+            # 16 rows: the GEMV against the wgmma GEMM over the fp16 copies, H200 (BENCHMARKS, fourth session):
+            # hidden 4096 (8B) 2252 vs 2370 tok/s, 1024 (0.6B) 10.5k vs 6.4k, 576 (SmolLM2) 16.2k vs 8.6k
+            self.gemv_rows = 8 if self.wg_mode == "copy" and spec.hidden >= 4096 else 16
         self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
 
@@ -507,7 +513,7 @@ class ProgramBuilder:
               [("logits", b * self.spec.vocab_size * 4)], [("sampled", b * 4)])
 
     def decode(self, b: int) -> Phase:
-        dec = b <= self.opt.gemv_max_rows
+        dec = b <= self.gemv_rows
         # Batches past the GEMV's rows on Hopper, where the fp16 copies exist: the layer linears on the wgmma
         # GEMM, which streams the copies (3.6x the NVFP4 bytes) near the copy bandwidth; the mma.sync GEMM
         # expanding NVFP4 in registers is bound by that expansion instead (8B at 64 rows: 9.3 ms a step).
@@ -590,7 +596,7 @@ class ProgramBuilder:
         """Logits of `rows` consecutive rows of x from row `row0` (after a prefill chunk)."""
         self.rows_max = rows
         e = _Emitter(pdl=False)
-        dec = rows <= self.opt.gemv_max_rows
+        dec = rows <= self.gemv_rows
         nb = next((x for x in GEMV_NB if x >= rows), 0)
         self.head(e, ROWS, dec, nb, split_k=self.opt.prefill_split_k,
                   x_off={"sym": "row0", "mul": self.spec.hidden * 4})
@@ -653,7 +659,7 @@ class ProgramBuilder:
                    "dec": self.max_batch, "prows": self.R, "qtiles": max_tiles(self.R)}
         return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
                        symbols=symbols, kernel_smem=self.kernel_smem, constants=consts,
-                       options=self.opt.to_dict())
+                       options={**self.opt.to_dict(), "gemv_max_rows": self.gemv_rows})
 
 
 def build_program(spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict, options: ProgramOptions,
