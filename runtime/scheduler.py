@@ -332,20 +332,19 @@ class Scheduler:
         return step
 
     def _run_decode(self, rows: list[Request], rides: list[tuple[Request, int]] = ()) -> list[StepOutput]:
-        """A decode step (with riding prefill chunks: a mixed step) from launch to events (the serial path)."""
-        if not rows and not rides:
-            return []
-        step = self._step_rows(rows)
+        """A decode step (with riding prefill chunks: a mixed step) from launch to events (the serial path):
+        launched as the pipelined path does, collected at once."""
+        failed = self._launch(rows, rides)
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:          # nothing to run, or the launch failed (its requests have failed)
+            return failed
         t0 = time.perf_counter()
         try:
-            chunks = self._chunks(rides)
-            result = (self.executor.decode_collect(self.executor.decode_submit(step, chunks)) if chunks
-                      else self.executor.decode(step))
+            result = self.executor.decode_collect(flight.handle)
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
             return [self._fail(req, e) for req in rows + [r for r, _ in rides]]
         finally:
             self.times.decode_s += time.perf_counter() - t0
-            self.times.decode_rows += len(rows)
         out = []
         for i, req in enumerate(rows):
             req.computed += 1
