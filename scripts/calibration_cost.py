@@ -2,9 +2,10 @@
 
 Measures, for the first --layers layers of two models: the sequential GPTQ pass (forward of the
 calibration chunks, Hessians, GPTQ of the four linears) and the sensitivity pass (one KL measurement
-per tensor), in seconds per layer and peak Python-heap bytes above the weights (tracemalloc sees numpy's
-buffers). Models: SmolLM2-135M (its real weights and the built-in calibration data) and the Qwen3-0.6B
-shape (examples/qwen3-0.6b.json, random weights and tokens: the cost does not depend on the values).
+per tensor, a layer's four run as one batch), in seconds per layer and peak Python-heap bytes above the
+weights (tracemalloc sees numpy's buffers). Models: SmolLM2-135M (its real weights and the built-in
+calibration data) and the Qwen3-0.6B shape (examples/qwen3-0.6b.json, random weights and tokens: the
+cost does not depend on the values).
 Then scales each cost by its FLOPs to examples/qwen3-8b.json: forward and Hessians by tokens x layer
 parameters, GPTQ by N x K^2 per linear, sensitivity by tensors x the layers after them.
 
