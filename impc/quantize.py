@@ -122,8 +122,12 @@ def _codes_for(blocks: np.ndarray, scales: np.ndarray, st: float, with_error: bo
 
 
 def measure_error(w: np.ndarray, deq: np.ndarray) -> QuantError:
-    w = np.asarray(w, dtype=np.float64)
-    diff = w - deq
-    norm = float(np.linalg.norm(w))
-    return QuantError(float(np.linalg.norm(diff)) / norm if norm else 0.0,
-                      float(np.max(np.abs(diff))) if diff.size else 0.0)
+    """||W - Q|| / ||W|| and max |W - Q|: the difference in float32 (its rounding, ~6e-8 of an element, is far
+    below the 6 digits recorded), the sums of squares accumulated in float64. A float64 copy of every tensor
+    took ~4.6 s of a SmolLM2 compile on one core; this takes a sixth of it."""
+    w = np.asarray(w, dtype=np.float32)
+    diff = w - np.asarray(deq, dtype=np.float32)
+    axes = "".join("ijklmn"[:w.ndim])
+    sq = lambda a: float(np.einsum(f"{axes},{axes}->", a, a, dtype=np.float64))  # noqa: E731
+    norm = sq(w) ** 0.5
+    return QuantError(sq(diff) ** 0.5 / norm if norm else 0.0, float(np.max(np.abs(diff))) if diff.size else 0.0)

@@ -226,3 +226,13 @@ def test_gptq_is_deterministic_and_handles_dead_inputs_and_padding():
     deq = a.dequantize()
     assert deq.shape == (6, 40) and np.all(deq[:, 5] == 0)   # dead inputs: weight irrelevant, stored as 0
     assert np.all(np.isfinite(deq))
+
+
+def test_measure_error_by_hand():
+    """||W - Q|| / ||W|| and max |W - Q| on cases worked by hand (the compiler records both per tensor)."""
+    from impc.quantize import measure_error
+    e = measure_error(np.array([[3.0, 4.0]], np.float32), np.array([[3.0, 3.0]], np.float32))
+    assert e.rel_rms == pytest.approx(0.2, rel=1e-12) and e.max_abs == 1.0          # |[0, 1]| / |[3, 4]|
+    e = measure_error(np.array([1.0, 2.0], np.float32), np.array([1.0, 1.0], np.float32))
+    assert e.rel_rms == pytest.approx(5 ** -0.5, rel=1e-12) and e.max_abs == 1.0
+    assert measure_error(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32)).rel_rms == 0.0
