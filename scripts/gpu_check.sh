@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU check of a tree, in one go, as BENCHMARKS.md's sessions run it: the GPU test suite, `impc bench` of
+# a bundle (decode, prefill, mixed steps), and served load through `impc serve` + scripts/bench_serve.py (1, 8 and 64
+# streams of 512-token prompts and 256 output tokens, lockstep and jittered, and a 2,000-token shared prefix).
+# Logs go to OUT; a short summary is printed last.
+#
+# Usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]
+#   BUNDLE: e.g. a synthetic 8B-shape bundle (impc compile --synthetic examples/qwen3-8b.json -o BUNDLE --target sm_90a)
+#   the GPU tests read their bundles from $IMP_GPU_BUNDLES (scripts/build_gpu_bundles.py builds them)
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]}
+BUNDLE=${2:?usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]}
+shift 2
+TESTS=1; SERVE=1
+for a in "$@"; do case $a in --no-tests) TESTS=0;; --no-serve) SERVE=0;; *) echo "unknown option $a" >&2; exit 2;; esac; done
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ $TESTS = 1 ]; then
+  timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu_model.py tests/test_gpu_kernels.py \
+    tests/test_gpu_engine.py tests/test_pipelined_scheduler.py > "$OUT/tests.log" 2>&1
+  echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -16
+fi
+timeout 200 $PY -m impc.cli bench "$BUNDLE" --batches 1,8,16,32,64 --pp 128,512,2048,4096 --mixed 64:192,0:512x4 \
+  --runs 3 > "$OUT/bench.txt" 2> "$OUT/bench.err" || tail -3 "$OUT/bench.err"
+grep -E "batch|pp|mixed|first|copy" "$OUT/bench.txt"
+[ $SERVE = 1 ] || exit 0
+PORT=${PORT:-8080}
+IMP_STEP_STATS=400 $PY -m impc.cli serve "$BUNDLE" --port $PORT --max-running 64 --log-level warning > "$OUT/serve.log" 2>&1 &
+SP=$!
+$PY - "$PORT" <<'PY'
+import sys, time, urllib.request
+for _ in range(480):
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status == 200:
+            break
+    except Exception:
+        pass
+    time.sleep(0.25)
+PY
+run() { local tag=$1; shift; timeout 120 $PY scripts/bench_serve.py http://127.0.0.1:$PORT --ignore-eos --json "$OUT/serve-$tag.json" "$@" \
+  > "$OUT/serve-$tag.txt" 2>&1; echo "served $tag: $(head -2 "$OUT/serve-$tag.txt" | tr '\n' ' ' | cut -c1-330)"; }
+run 1-stream --clients 1 --requests 3 --prompt-len 512 --output-len 256
+run 8-streams --clients 8 --requests 24 --prompt-len 512 --output-len 256 --seed 8
+run 64-lockstep --clients 64 --requests 128 --prompt-len 512 --output-len 256 --seed 64
+run 64-jittered --clients 64 --requests 256 --prompt-len 512 --output-len 256 --prompt-jitter 0.25 --output-jitter 0.25 --seed 64
+run prefix --clients 1 --requests 6 --shared-prefix 2000 --prompt-len 64 --output-len 16 --per-request --seed 5
+grep -E "request [0-5]:" "$OUT/serve-prefix.txt"
+kill $SP; wait $SP 2>/dev/null
+grep "step times" "$OUT/serve.log" | tail -1 | cut -c1-260
