@@ -127,3 +127,28 @@ def test_a_request_that_can_never_fit_is_refused_clearly(bundle):
     with pytest.raises(RequestError, match=r"needs 7 KV pages .* holds 5: ask for at most 50 new tokens"):
         eng.submit(list(range(4, 34)), SamplingParams(max_tokens=70))
     assert len(solo_tokens(eng, list(range(4, 34)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))) == 50
+
+
+def test_step_budget_from_the_server_and_its_cli(bundle):
+    """`impc serve --max-step-tokens N` sets the scheduler's step budget (never below a row for every running
+    request plus one prompt token); 0 is refused with a one-line error before the bundle is opened."""
+    import subprocess
+    import sys
+
+    from imp_runtime.server.metrics import Metrics
+    from imp_runtime.server.queue import FairQueue
+    eng = Engine(bundle, device="cpu")
+    q = FairQueue(eng, Metrics(), max_running=8, step_tokens=100)
+    try:
+        assert eng.scheduler.config.step_tokens == 100 and eng.scheduler.config.max_running == 8
+    finally:
+        q.close()
+    eng = Engine(bundle, device="cpu")
+    q = FairQueue(eng, Metrics(), max_running=8, step_tokens=3)
+    try:
+        assert eng.scheduler.config.step_tokens == 9
+    finally:
+        q.close()
+    proc = subprocess.run([sys.executable, "-m", "impc.cli", "serve", "no-such-bundle", "--max-step-tokens", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-step-tokens 0" in proc.stderr and "Traceback" not in proc.stderr
