@@ -80,8 +80,8 @@ def render(spec: ModelSpec, target: dict, plan: dict) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
-    from impc.launches import ATTN_MAX_SPLITS
-    ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS,
+    from impc.launches import ATTN_MAX_SPLITS, FA_TILE_INTS
+    ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)]}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():

@@ -240,10 +240,6 @@ def ev(v, rows: int, dec_max: int | None = None) -> int:
     return evaluate(v, {"rows": rows, "prows": rows, "dec": min(rows, dec_max or rows)})
 
 
-def sym_rows(mul: int = 1, ceil_div: int = 1):
-    return {"sym": "rows", "mul": mul, "ceil_div": ceil_div} if (mul, ceil_div) != (1, 1) else ROWS
-
-
 def rows_div(rows, d: int):
     """ceil(rows / d) for rows an int or a plain symbol ({"sym": name})."""
     return {"sym": rows["sym"], "ceil_div": d} if isinstance(rows, dict) else -(-rows // d)

@@ -96,7 +96,6 @@ class CudaExecutor:
         self.step = {b.name: self.step_host.view(b.offset - self.step_off, NP_DTYPES[b.dtype], b.shape[0])
                      for b in p.buffers.values() if b.kind == "step"}
         logit_rows = p.buffers["logits"].shape[0]
-        self.rows = c["rows"]                       # rows of the activation scratch: a mixed step's limit
         self.out_host = PinnedBuffer(4 * (logit_rows + self.max_segments) * (1 + self.vocab))   # + chunks' logits
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
@@ -179,8 +178,10 @@ class CudaExecutor:
         for c in chunks:
             seq, t = self._seqs[c.sid], len(c.tokens)
             st["tokens"][r:r + t] = c.tokens
-            st["positions"][r:r + t] = np.arange(c.start, c.start + t)
-            st["kv_slots"][r:r + t] = [self._kv_slot(seq, p) for p in range(c.start, c.start + t)]
+            pos = np.arange(c.start, c.start + t)
+            st["positions"][r:r + t] = pos
+            self._kv_slot(seq, c.start + t - 1)            # every page is there (a one-line error if not)
+            st["kv_slots"][r:r + t] = np.asarray(seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
             segments.append((r, t, c.start, seq.slot))
             r += t
         qtiles = self.write_tiles(segments)
@@ -220,12 +221,12 @@ class CudaExecutor:
     def decode(self, rows: list[StepRow]) -> StepResult:
         return self.decode_collect(self.decode_submit(rows))
 
-    def decode_submit(self, rows: list[StepRow], chunks: PrefillChunk | list[PrefillChunk] | None = None) -> _Launched:
+    def decode_submit(self, rows: list[StepRow], chunks: list[PrefillChunk] | None = None) -> _Launched:
         """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
         ids (and asked-for logits) into out_host; no wait for the GPU. With prefill chunks of other sequences (a
         mixed step; rows may then be empty): the decode rows ride in the chunks' prefill launches, run eagerly,
         and each chunk that asks for them gets its last token's logits."""
-        chunks = [] if chunks is None else [chunks] if isinstance(chunks, PrefillChunk) else list(chunks)
+        chunks = chunks or []
         n, t = len(rows), sum(len(c.tokens) for c in chunks)
         if not (1 if not chunks else 0) <= n <= self.max_batch:
             raise ValueError(f"decode batch of {n} (1..{self.max_batch})")

@@ -58,7 +58,7 @@ class SchedulerConfig:
     step_tokens: int             # budget of one step: one token per decode row plus prefill chunk tokens
     prefill_chunk: int           # most tokens one prefill call takes
     pipeline: bool = False       # launch each decode before the host work on the previous one's tokens
-    mixed: bool = False          # the step's first prefill chunk rides in its decode launch (one mixed step)
+    mixed: bool = False          # the step's prefill chunks ride in its decode launch (one mixed step)
 
     @classmethod
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
@@ -309,6 +309,12 @@ class Scheduler:
         self.times.mixed_steps += bool(chunks)
         return chunks
 
+    def _decoded(self, req: Request) -> None:
+        """A decode step wrote req's next position: a page it fills goes into the prefix cache."""
+        req.computed += 1
+        if req.computed % self.blocks.page_size == 0:
+            self.blocks.commit(req.table, req.gen.tokens(), req.computed)
+
     def _chunk_done(self, ride: tuple[Request, int], logits) -> list[StepOutput]:
         """A prefill chunk's KV is written (alone or riding in a step): the prefix cache learns its pages; a chunk
         that ends the prompt gives the first token."""
@@ -347,9 +353,7 @@ class Scheduler:
             self.times.decode_s += time.perf_counter() - t0
         out = []
         for i, req in enumerate(rows):
-            req.computed += 1
-            if req.computed % self.blocks.page_size == 0:
-                self.blocks.commit(req.table, req.gen.tokens(), req.computed)
+            self._decoded(req)
             out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
                                      else g.on_token(result.tokens[i])))
         for ride, logits in zip(rides, result.chunk_logits):
@@ -365,7 +369,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             chunks = self._chunks(rides)
-            handle = self.executor.decode_submit(step, chunks) if chunks else self.executor.decode_submit(step)
+            handle = self.executor.decode_submit(step, chunks or None)
             self._in_flight = _InFlight(handle, rows, list(rides))
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
             return [self._fail(req, e) for req in rows + [r for r, _ in rides]]
@@ -396,9 +400,7 @@ class Scheduler:
         landed = []
         for i, req in live:
             tok = result.tokens[i]
-            req.computed += 1
-            if req.computed % self.blocks.page_size == 0:
-                self.blocks.commit(req.table, req.gen.tokens(), req.computed)
+            self._decoded(req)
             if req.gen.record(tok):
                 self._finish(req)
             landed.append((req, tok))

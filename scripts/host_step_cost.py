@@ -80,7 +80,7 @@ class SimulatedGpu:
     def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
         return self.first_logits        # instant: the measurement is of decode steps
 
-    def decode_submit(self, rows: list[StepRow]):
+    def decode_submit(self, rows: list[StepRow], chunks=None):      # never mixed: mixed_steps is unset
         self._write_step_values(rows)
         now = time.perf_counter()
         self.idle_s += max(now - self.device_free_at, 0.0)
