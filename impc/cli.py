@@ -40,8 +40,9 @@ def _add_compile(sub) -> None:
     p.add_argument("--name", default=None,
                    help="model name the bundle serves under (default: the checkpoint's file or folder name)")
     p.add_argument("--gemv-max-rows", type=int, default=None, metavar="N", choices=[0, 1, 2, 4, 8, 16],
-                   help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default 16; "
-                        "8 on Hopper for hidden sizes of 4096 and up, whose 16-row steps run faster on the GEMM)")
+                   help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default by "
+                        "the shape, as measured: on Hopper 4 for hidden sizes of 4096 and up and 8 below when the "
+                        "NVFP4 decode GEMM takes every layer, else 8 for 4096 and up and 16 below)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="no programmatic dependent launch in the decode graphs (default: on)")
     p.add_argument("--prefill-split-k", action="store_true",
@@ -50,6 +51,9 @@ def _add_compile(sub) -> None:
                    help="Hopper prefill reads NVFP4 layer weights from an fp16 copy expanded at load (copy), or "
                         "expands each just before its GEMM every chunk (dequant; no extra memory); auto: copy when "
                         "the copies take at most a quarter of the GPU memory (default auto)")
+    p.add_argument("--decode-gemm", default="nvfp4", choices=["nvfp4", "fp16"],
+                   help="Hopper decode batches past the GEMV's rows: a GEMM reading the NVFP4 weights as stored "
+                        "(nvfp4), or the fp16 copies prefill reads (fp16; needs --prefill-weights copy) (default nvfp4)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
@@ -117,7 +121,7 @@ def cmd_compile(a) -> int:
                           calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, name=a.name,
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
-                          prefill_weights=a.prefill_weights)
+                          prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -44,9 +44,11 @@ class CompileOptions:
     pdl: bool = True                 # programmatic dependent launch in the decode graphs
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)
+    decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
 
     def program_options(self) -> ProgramOptions:
-        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k)
+        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
+                              decode_gemm=self.decode_gemm)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

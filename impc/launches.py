@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from impc.errors import CompileError
-from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, gfmt, xfmt
+from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
 from imp_runtime.nvfp4 import BLOCK
 from imp_runtime.program import ALIGN, Buffer, Launch, Phase, Program, evaluate, validate
 from imp_runtime.rope import inv_freq
@@ -21,7 +21,7 @@ from imp_runtime.spec import ModelSpec
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
-               "logits_softcap", "sample_tokens")
+               "logits_softcap", "sample_tokens", "gemm_wq")
 ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
@@ -32,6 +32,9 @@ WG_MID_CHUNK = 256       # (a mixed step: decode rows plus a short prefill chunk
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 MAX_SEGMENTS = 16        # sequences' chunks one call of the largest prefill phase takes (a tile table each step)
 FA_TILE_INTS = 8         # ints of a tile-table entry (templates/attn_prefill.cu.j2)
+WQ_NB = (16, 32, 64)     # templates/gemm_wgmma_nvfp4.cu.j2: activation rows a block (wgmma's N), one kernel each
+WQ_RA = {16: 4, 32: 4, 64: 4}   # its activation ring depth per NB
+WQ_K, WQ_ROWS, WQ_RW, WQ_RAW = 256, 64, 8, 9216   # K a stage, weight rows a block, raw ring depth, raw stage bytes
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -45,9 +48,12 @@ class ProgramOptions:
     pdl: bool = True                # programmatic dependent launch inside the decode graphs
     prefill_split_k: bool = False   # atomic split-K in prefill GEMMs (faster for small chunks, not bitwise
                                     # reproducible: sums then depend on arrival order)
+    decode_gemm: str = "nvfp4"      # Hopper decode batches past the GEMV: the wgmma GEMM reading NVFP4 as stored
+                                    # (nvfp4) or the fp16 copies (fp16)
 
     def to_dict(self) -> dict:
-        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k}
+        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
+                "decode_gemm": self.decode_gemm}
 
 
 def rows_for(chunk: int, max_batch: int) -> tuple[int, int]:
@@ -95,6 +101,12 @@ def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
 def wg_smem_bytes(bn: int) -> int:
     """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
     return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
+
+
+def wq_smem_bytes(nb: int) -> int:
+    """Dynamic shared memory of gemm_wq<nb>: the consumers' reduction, the activation and raw rings, 1 KB to
+    align them for the 128-byte swizzle, barriers."""
+    return nb * 256 + WQ_RA[nb] * nb * WQ_K * 2 + WQ_RW * WQ_RAW + 1024 + 8 * 2 * (WQ_RW + WQ_RA[nb])
 
 
 def wgmma_weights(spec: ModelSpec, formats: dict[str, str]) -> list[tuple[str, int, int]]:
@@ -228,10 +240,12 @@ def i32(v) -> dict:
     return {"i32": v}
 
 
-def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int) -> dict:
-    """A TMA descriptor argument: buffer `name` as a row-major [rows, cols] matrix of 16-bit `dtype`, read in
-    [box_rows, 64] boxes with the 128-byte swizzle (runtime/cuda_program.py builds it at bind time)."""
-    return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows, "box_cols": 64}}
+def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int = 64) -> dict:
+    """A TMA descriptor argument: buffer `name` as a row-major [rows, cols] matrix of `dtype`, read in
+    [box_rows, box_cols] boxes: 16-bit with the 128-byte swizzle (64 columns), u8 unswizzled
+    (runtime/cuda_program.py builds it at bind time)."""
+    return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows,
+                     "box_cols": box_cols}}
 
 
 def ev(v, rows: int, dec_max: int | None = None) -> int:
@@ -277,11 +291,26 @@ class ProgramBuilder:
         self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim, target["smem_per_block_bytes"])
         self.wg_mode = t.get("prefill_weights", "none")
         if self.gemv_rows is None:
-            # 16 rows: the GEMV against the wgmma GEMM over the fp16 copies, H200 (BENCHMARKS, fourth session):
-            # hidden 4096 (8B) 2252 vs 2370 tok/s, 1024 (0.6B) 10.5k vs 6.4k, 576 (SmolLM2) 16.2k vs 8.6k
-            self.gemv_rows = 8 if self.wg_mode == "copy" and spec.hidden >= 4096 else 16
+            self.gemv_rows = self.default_gemv_rows()
         self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
+
+    def default_gemv_rows(self) -> int:
+        """Decode batches up to this many rows on the GEMV, by measurement on the H200 (BENCHMARKS.md):
+        - where Hopper's NVFP4 decode GEMM takes every layer linear (K a multiple of 256): 4 rows for hidden sizes
+          of 4096 and up (8B, batch 8: 1800 tok/s on the GEMM against 1652 on the GEMV), else 8 (Qwen3-0.6B shape:
+          batch 8 6319 on the GEMV against 5934, batch 16 10871 on the GEMM against 10225);
+        - else, against the wgmma GEMM over the fp16 copies: 8 rows for hidden 4096 and up (2370 against 2252 tok/s
+          at 16 rows), 16 below (0.6B 10.5k against 6.4k, SmolLM2 16.2k against 8.6k)."""
+        big = self.spec.hidden >= 4096
+        if self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4" and all(
+                k % WQ_K == 0 for name, (n, k) in self.linear_shapes() if self.formats[name] == "nvfp4"):
+            return 4 if big else 8
+        return 8 if self.wg_mode == "copy" and big else 16
+
+    def linear_shapes(self) -> list[tuple[str, tuple[int, int]]]:
+        return [(name, shape) for name, shape in self.spec.tensor_shapes().items()
+                if name.startswith("layers.") and len(shape) == 2]
 
     # ------------------------------------------------------------------ arena
 
@@ -347,6 +376,45 @@ class ProgramBuilder:
               [(out, out_bytes)] + ([("wg_ws", part), ("wg_flags", tiles * rtiles * 4)] if splits > 1 else []),
               smem=wg_smem_bytes(bn))
 
+    def wq_ok(self, lin: _Lin) -> bool:
+        """This decode step's layer linear on gemm_wq (NVFP4 read as stored): a Hopper decode batch past the
+        GEMV's rows, up to the largest NB, K a multiple of WQ_K (the scales' TMA rows then 16-byte aligned)."""
+        if not (self.wq and lin.fmt == "nvfp4" and lin.k % WQ_K == 0 and lin.name.startswith("layers.")):
+            return False
+        if lin.name.endswith(".down"):      # its input (XF_F16W) comes from gate_up's epilogue on the same GEMM
+            return self.wq_ok(self.lin(lin.name[:-len("down")] + "gate_up"))
+        return True
+
+    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
+        the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
+        / XF_F16W."""
+        m = ev(rows, self.rows_max, self.MB)
+        nb = next(x for x in WQ_NB if x >= self.rows_max)
+        gated = mode >= 2
+        tiles = -(-(lin.n // 2) // (WQ_ROWS // 2)) if gated else -(-lin.n // WQ_ROWS)
+        ytiles = -(-self.rows_max // nb)
+        # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
+        splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
+        part = tiles * ytiles * nb * WQ_ROWS * 4
+        box = WQ_ROWS // 2 if gated else WQ_ROWS
+        out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
+        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else [])
+        writes = [(out, out_bytes)]
+        split_args = [ptr(None), ptr(None)]
+        if splits > 1:
+            split_args = [ptr("wg_ws"), ptr("wg_flags")]
+            reads += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
+            writes += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
+        kern = f"gemm_wq{nb}"
+        self.kernel_smem[kern] = wq_smem_bytes(nb)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
+        e.add(kern, (tiles, rows_div(rows, nb), splits), (384,),
+              [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
+               tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
+               ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
+               *split_args], reads, writes, smem=wq_smem_bytes(nb))
+
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
         """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's
         rows interleaved in groups of 8 for the gated epilogue."""
@@ -361,6 +429,8 @@ class ProgramBuilder:
                nb: int = 0) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
         GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
+        if self.wq_ok(lin):
+            return self.linear_wq(e, a, lin, out, rows, mode)
         if self.wg_layers and lin.name.startswith("layers."):
             return self.linear_wgmma(e, a, lin, out, rows, mode)
         m = ev(rows, self.rows_max, self.MB)
@@ -426,7 +496,8 @@ class ProgramBuilder:
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
         """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
-        fmt = (lambda lin: xfmt(lin.fmt)) if dec else (lambda lin: gfmt(lin.fmt))
+        def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
+            return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
@@ -458,6 +529,9 @@ class ProgramBuilder:
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
                        i32(ofmt)],
                       gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
+            elif self.wq_ok(gate_up):
+                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
+                self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)])
             elif self.gated_wgmma(gate_up):
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wgmma(e, "hb", gate_up, "ab", rows, 2 if gfmt(down.fmt) == XF_F16 else 3)
@@ -514,6 +588,8 @@ class ProgramBuilder:
         # GEMM, which streams the copies (3.6x the NVFP4 bytes) near the copy bandwidth; the mma.sync GEMM
         # expanding NVFP4 in registers is bound by that expansion instead (8B at 64 rows: 9.3 ms a step).
         self.rows_max, self.wg_layers = b, not dec and self.wg_mode == "copy"
+        # ... and on gemm_wq, reading the NVFP4 weights as stored (a quarter of the copies' bytes), up to 64 rows
+        self.wq = not dec and self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4" and b <= WQ_NB[-1]
         e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
         nb = next((x for x in GEMV_NB if x >= b), 0)
         splits = self.attn_splits(b)
@@ -546,7 +622,7 @@ class ProgramBuilder:
         at positions start.. of block-table row `slot`. A plain prefill has dec = 0: launches whose grid is then
         empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
-        self.rows_max, self.wg_layers = chunk, self.wg_mode != "none"
+        self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", False
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
@@ -590,7 +666,7 @@ class ProgramBuilder:
 
     def logits(self, rows: int) -> Phase:
         """Logits of `rows` consecutive rows of x from row `row0` (after a prefill chunk)."""
-        self.rows_max = rows
+        self.rows_max, self.wq = rows, False
         e = _Emitter(pdl=False)
         dec = rows <= self.gemv_rows
         nb = next((x for x in GEMV_NB if x >= rows), 0)
@@ -640,7 +716,7 @@ class ProgramBuilder:
                       [(name, math.prod(shape) * 4)])
 
     def build(self) -> Program:
-        self.wg_layers = False
+        self.wg_layers = self.wq = False
         self.layout()
         phases = [self.init()]
         phases += [self.decode(b) for b in self.plan["graph_buckets"]]

@@ -5,13 +5,14 @@
                  row 2b+1 = lo = fp16(x * 2^-6 - hi), k permuted within each 8 to the GEMV's fragment order.
   XF_BF16X2 (2): [2*rows, K] bf16 planes for a decode GEMV over bf16 weights: hi = bf16(x), lo = bf16(x - hi).
   XF_F16    (3): [rows, K] fp16(x * 2^-6), the prefill GEMM's input over NVFP4 weights.
+  XF_F16W   (4): XF_F16 with k permuted within each 256 (wq_pos): the NVFP4 decode GEMM's input on Hopper.
 The 2^-6 pre-scale keeps the products of two projections inside fp16's range; kernels undo it exactly.
 `to_planes` / `from_planes` are the host's view of the plane formats (kernel tests)."""
 from __future__ import annotations
 
 import numpy as np
 
-XF_BF16, XF_F16X2, XF_BF16X2, XF_F16 = 0, 1, 2, 3
+XF_BF16, XF_F16X2, XF_BF16X2, XF_F16, XF_F16W = 0, 1, 2, 3, 4
 XF_F16_SCALE = 2.0 ** -6
 GEMV_NB = (1, 2, 4, 8, 16)           # the decode GEMV's batch variants (gemv_*_nb{N})
 
@@ -31,6 +32,30 @@ def _xf_pos(k: int) -> np.ndarray:
     i = np.arange(k)
     j = i & 7
     return (i & ~7) | np.where(j & 1, 4 + (j >> 1), j >> 1)
+
+
+def wq_pos(k: int) -> np.ndarray:
+    """Position of each of k elements in an XF_F16W row (templates/prelude.cuh.j2 wq_pos; k a multiple of 256)."""
+    i = np.arange(k)
+    r = i & 255
+    t, u, w = r >> 6, (r >> 3) & 7, r & 7
+    return (i & ~255) | (u << 5) | ((w & 1) << 4) | ((w >> 2) << 3) | (t << 1) | ((w >> 1) & 1)
+
+
+def write_activation(a: np.ndarray, fmt: int) -> np.ndarray:
+    """float32 [rows, k] -> the uint16 bits an activation buffer holds in a 16-bit format (XF_BF16, XF_F16,
+    XF_F16W)."""
+    a = np.asarray(a, np.float32)
+    if fmt == XF_BF16:
+        return _bf16_bits(a)
+    h = (a * np.float32(XF_F16_SCALE)).astype(np.float16).view(np.uint16)
+    if fmt == XF_F16:
+        return h
+    if fmt == XF_F16W:
+        out = np.empty_like(h)
+        out[:, wq_pos(a.shape[1])] = h
+        return out
+    raise ValueError(f"not a 16-bit activation format: {fmt}")
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -77,6 +102,7 @@ def read_activation(raw: np.ndarray, rows: int, k: int, fmt: int) -> np.ndarray:
     raw = np.asarray(raw).view(np.uint16)
     if fmt == XF_BF16:
         return (raw[:rows * k].astype(np.uint32) << 16).view(np.float32).reshape(rows, k)
-    if fmt == XF_F16:
-        return raw[:rows * k].view(np.float16).astype(np.float32).reshape(rows, k) / np.float32(XF_F16_SCALE)
+    if fmt in (XF_F16, XF_F16W):
+        v = raw[:rows * k].view(np.float16).astype(np.float32).reshape(rows, k) / np.float32(XF_F16_SCALE)
+        return v[:, wq_pos(k)] if fmt == XF_F16W else v
     return from_planes(raw[:2 * rows * k].reshape(2 * rows, k), fmt)

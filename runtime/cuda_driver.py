@@ -125,19 +125,23 @@ def dtoh(arr: np.ndarray, src: int, stream) -> np.ndarray:
     return arr
 
 
-_TMAP_DTYPES = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
+_TMAP_DTYPES = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+                "u8": "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
 
 
 def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int) -> ctypes.Array:
-    """A TMA descriptor (CUtensorMap, 128 bytes) of a row-major [rows, cols] 16-bit matrix at ptr, read in
-    [box_rows, box_cols] boxes with the 128-byte swizzle (box_cols * 2 bytes = 128), out-of-bounds elements
-    read as zero: what templates/gemm_wgmma.cu.j2 takes by value. Returned as the ctypes block a kernel
-    argument points at."""
+    """A TMA descriptor (CUtensorMap, 128 bytes) of a row-major [rows, cols] matrix at ptr, read in
+    [box_rows, box_cols] boxes, out-of-bounds elements read as zero: 16-bit matrices with the 128-byte swizzle
+    (box_cols * 2 bytes = 128; templates/gemm_wgmma.cu.j2), bytes (u8: NVFP4 codes and scales) unswizzled
+    (templates/gemm_wgmma_nvfp4.cu.j2). Returned as the ctypes block a kernel argument points at."""
+    size = 1 if dtype == "u8" else 2
+    swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if dtype == "u8" else \
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
     m = check(cu.cuTensorMapEncodeTiled(
         getattr(cu.CUtensorMapDataType, _TMAP_DTYPES[dtype]), 2, int(ptr),
-        [cu.cuuint64_t(int(cols)), cu.cuuint64_t(int(rows))], [cu.cuuint64_t(int(cols) * 2)],
+        [cu.cuuint64_t(int(cols)), cu.cuuint64_t(int(rows))], [cu.cuuint64_t(int(cols) * size)],
         [cu.cuuint32_t(int(box_cols)), cu.cuuint32_t(int(box_rows))], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     return (ctypes.c_uint64 * 16)(*[int(x) for x in m.opaque])

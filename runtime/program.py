@@ -218,7 +218,8 @@ def validate(p: Program, kernels: set[str] | None, max_smem: int | None = None) 
 
 
 def _check_tmap(p: Program, t, at: str) -> None:
-    """A TMA descriptor argument: a [rows, cols] 16-bit matrix inside its buffer, boxes the hardware takes."""
+    """A TMA descriptor argument: a [rows, cols] matrix inside its buffer, boxes the hardware takes (16-bit:
+    64 columns, the 128-byte swizzle; bytes: rows and boxes of a multiple of 16 bytes, unswizzled)."""
     try:
         b = p.buffers.get(t["ptr"])
         rows, cols, box_rows, box_cols = (int(t[k]) for k in ("rows", "cols", "box_rows", "box_cols"))
@@ -227,10 +228,13 @@ def _check_tmap(p: Program, t, at: str) -> None:
         raise ProgramError(f"{at}: malformed tensor-map argument {t!r}") from None
     if b is None:
         raise ProgramError(f"{at}: tensor map over buffer {t.get('ptr')!r}, which the arena lacks")
-    if dtype not in ("f16", "bf16") or rows < 1 or cols < 1 or cols * 2 % 16 or rows * cols * 2 > b.bytes:
+    size = {"f16": 2, "bf16": 2, "u8": 1}.get(dtype)
+    if size is None or rows < 1 or cols < 1 or cols * size % 16 or rows * cols * size > b.bytes:
         raise ProgramError(f"{at}: tensor map [{rows}, {cols}] {dtype} does not fit buffer {b.name} ({b.bytes} bytes)")
-    if box_cols * 2 != 128 or not 1 <= box_rows <= 256:
-        raise ProgramError(f"{at}: tensor-map box [{box_rows}, {box_cols}] (needs 64 columns, at most 256 rows)")
+    box_ok = box_cols * 2 == 128 if size == 2 else (box_cols % 16 == 0 and 16 <= box_cols <= 256)
+    if not box_ok or not 1 <= box_rows <= 256:
+        raise ProgramError(f"{at}: tensor-map box [{box_rows}, {box_cols}] {dtype} (16-bit: 64 columns; bytes: a "
+                           f"multiple of 16 up to 256; at most 256 rows)")
 
 
 def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, graph: bool) -> None:

@@ -52,7 +52,7 @@ def logits_run(ex, tokens, n_prompt, chunk: int | None = None):
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "llama-mixed"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "llama-mixed", "qwen3-wide"])
 def test_tiny_logits(name):
     cpu, gpu = executors(gpu_bundle(name))
     try:
@@ -63,12 +63,14 @@ def test_tiny_logits(name):
         gpu.close()
 
 
-@pytest.mark.parametrize("b", [32, 64])
-def test_decode_batch_above_gemv_rows_vs_cpu(b):
-    """Decode batches of 32 and 64 rows run the GEMMs with atomic split-K (not the GEMV): every row's
-    logits against the cpu executor's, the rows' contexts of different lengths."""
+@pytest.mark.parametrize("name,b", [("qwen3", 32), ("qwen3", 64), ("qwen3-wide", 3), ("qwen3-wide", 16),
+                                    ("qwen3-wide", 64)])
+def test_decode_batch_above_gemv_rows_vs_cpu(name, b):
+    """Decode batches past the GEMV's rows run the GEMMs (qwen3: the mma.sync GEMM with atomic split-K;
+    qwen3-wide on Hopper: every batch on the NVFP4 wgmma GEMM): every row's logits against the cpu executor's,
+    the rows' contexts of different lengths."""
     from imp_runtime.executor import StepRow
-    cpu, gpu = executors(gpu_bundle("qwen3"))
+    cpu, gpu = executors(gpu_bundle(name))
     try:
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, cpu.spec.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, b)]
@@ -258,31 +260,36 @@ def test_synthetic_runs():
         ex.close()
 
 
-@pytest.mark.parametrize("context", [10, 300, 3000])
-def test_decode_is_batch_invariant(context):
-    """One sequence's logits are bitwise the same whether it is decoded alone or among 1..15 other sequences
-    of other lengths (the decode GEMV rows, attention splits cut by each sequence's own length, and the
-    merge order do not depend on the batch). Batches above the GEMV's 16 rows run the GEMMs, whose fp16
-    activations round differently: they are held to the cpu executor instead (test above)."""
+@pytest.mark.parametrize("name,context", [("syn-qwen3-0.6b", 10), ("syn-qwen3-0.6b", 300), ("syn-qwen3-0.6b", 3000),
+                                          ("qwen3-wide", 10), ("qwen3-wide", 300)])
+def test_decode_is_batch_invariant(name, context):
+    """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
+    lengths (the decode GEMV rows, attention splits cut by each sequence's own length, and the merge order do not
+    depend on the batch): syn-qwen3-0.6b in batches up to its GEMV's rows (batches above run a GEMM whose fp16
+    activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
+    run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor import StepRow
     from imp_runtime.executor_cuda import CudaExecutor
-    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-0.6b")))
+    ex = CudaExecutor(load_bundle(gpu_bundle(name)))
+    gemv = ex.program.options["gemv_max_rows"]
+    batches = (1, 2, 5, 8, 16, 17, 32, 64) if name == "qwen3-wide" else tuple(b for b in (1, 2, 4, 8, 16) if b <= gemv)
+    assert len(batches) > 2
     try:
         rng = np.random.default_rng(context)
         target = solo(ex)
         target.prefill(rng.integers(3, ex.vocab, context).tolist())
-        others = [solo(ex) for _ in range(15)]
+        others = [solo(ex) for _ in range(batches[-1] - 1)]
         for o in others:
             o.prefill(rng.integers(3, ex.vocab, int(rng.integers(1, min(2 * context, 400)))).tolist())
         for s in [target, *others]:
             s._cover(s.length + 1)
         rows = {}
-        for b in (1, 2, 4, 8, 16):
+        for b in batches:
             batch = [target, *others[:b - 1]]
             res = ex.decode([StepRow(s.sid, 7, s.length, want_logits=(s is target)) for s in batch])
             rows[b] = res.logits[0]
-        for b in (2, 4, 8, 16):
+        for b in batches[1:]:
             assert np.array_equal(rows[b], rows[1]), f"batch {b} changed the logits at context {context}"
         for s in [target, *others]:
             s.close()

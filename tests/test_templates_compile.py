@@ -13,7 +13,8 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "r
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1"]     # batch 1 with RMSNorm fused (hidden <= 8192)
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
-EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")]]
+EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
+                 *[f"gemm_wq{n}" for n in (16, 32, 64)]]
 
 SHAPES = {
     "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
@@ -68,5 +69,15 @@ def test_templates_compile(shape, target):
     if target == "sm_90a":
         assert any(k.startswith("gemm_wg") for k in prefill) and "gemm_nvfp4_f16" not in prefill
         assert "dequant_nvfp4_f16" in {x.kernel for x in prog.phase("init", 0).launches}
+        # decode batches past the GEMV read NVFP4 as stored where K allows (a multiple of 256), never the copies
+        for ph in prog.phases:
+            if ph.phase == "decode" and ph.tokens > prog.options["gemv_max_rows"]:
+                lin = {x.kernel for x in ph.launches if any(b.startswith("layers.") and b.endswith(".codes")
+                                                              for b, _ in x.reads)}
+                wide = all(shp[1] % 256 == 0 for n, shp in spec.tensor_shapes().items() if n.startswith("layers.")
+                           and len(shp) == 2 and formats[n] == "nvfp4")
+                if wide:
+                    assert lin == {f"gemm_wq{next(n for n in (16, 32, 64) if n >= ph.tokens)}"}, lin
+                    assert not any(b.endswith(".f16") for x in ph.launches for b, _ in x.reads)
     else:
-        assert not any(k.startswith("gemm_wg") for k in launched)
+        assert not any(k.startswith(("gemm_wg", "gemm_wq")) for k in launched)
