@@ -80,9 +80,10 @@ def render(spec: ModelSpec, target: dict, plan: dict) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
-    from impc.launches import ATTN_MAX_SPLITS, FA_TILE_INTS
+    from impc.launches import ATTN_MAX_SPLITS, FA_TILE_INTS, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
-           "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)]}
+           "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
+           "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec)}}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
         parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))

@@ -32,9 +32,12 @@ WG_MID_CHUNK = 256       # (a mixed step: decode rows plus a short prefill chunk
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 MAX_SEGMENTS = 16        # sequences' chunks one call of the largest prefill phase takes (a tile table each step)
 FA_TILE_INTS = 8         # ints of a tile-table entry (templates/attn_prefill.cu.j2)
-WQ_NB = (16, 32, 64)     # templates/gemm_wgmma_nvfp4.cu.j2: activation rows a block (wgmma's N), one kernel each
-WQ_RA = {16: 4, 32: 4, 64: 4}   # its activation ring depth per NB
-WQ_K, WQ_ROWS, WQ_RW, WQ_RAW = 256, 64, 8, 9216   # K a stage, weight rows a block, raw ring depth, raw stage bytes
+# templates/gemm_wgmma_nvfp4.cu.j2 (rendered from these): a kernel per NB, the activation rows of a block (wgmma's N),
+# with its activation ring depth; K a stage, weight rows a block, raw stages in flight and their bytes (codes + scales)
+WQ_RA = {16: 4, 32: 4, 64: 4}
+WQ_NB = tuple(WQ_RA)
+WQ_K, WQ_ROWS, WQ_RW = 256, 64, 8
+WQ_RAW = WQ_ROWS * (WQ_K // 2 + WQ_K // BLOCK)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
@@ -101,6 +104,12 @@ def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
 def wg_smem_bytes(bn: int) -> int:
     """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
     return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
+
+
+def wq_shape(spec: ModelSpec) -> bool:
+    """Whether any layer linear of this shape can run gemm_wq (K a multiple of WQ_K: qkv and gate_up read the hidden
+    size, o the query width; down only after a gate_up on it): the kernels are emitted only then (nvcc time)."""
+    return spec.hidden % WQ_K == 0 or spec.q_dim % WQ_K == 0
 
 
 def wq_smem_bytes(nb: int) -> int:
