@@ -45,10 +45,11 @@ class CompileOptions:
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)
     decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
+    gpu_penalties: bool = False      # repetition / presence / frequency penalties on the GPU (impc/launches.py)
 
     def program_options(self) -> ProgramOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
-                              decode_gemm=self.decode_gemm)
+                              decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
@@ -93,7 +94,8 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
     formats = formats or tensor_formats(spec, opts)
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
-    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights)
+    plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights,
+                       opts.gpu_penalties)
     for line in describe(plan):
         p.info(line)
     return formats, targets, plan

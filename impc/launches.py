@@ -21,7 +21,7 @@ from imp_runtime.spec import ModelSpec
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
-               "logits_softcap", "sample_tokens", "gemm_wq")
+               "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
 ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
@@ -53,10 +53,12 @@ class ProgramOptions:
                                     # reproducible: sums then depend on arrival order)
     decode_gemm: str = "nvfp4"      # Hopper decode batches past the GEMV: the wgmma GEMM reading NVFP4 as stored
                                     # (nvfp4) or the fp16 copies (fp16)
+    gpu_penalties: bool = False     # repetition / presence / frequency penalties applied on the GPU before sampling
+                                    # (per-sequence token counts on the device); off: the host samples such rows
 
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
-                "decode_gemm": self.decode_gemm}
+                "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties}
 
 
 def rows_for(chunk: int, max_batch: int) -> tuple[int, int]:
@@ -92,13 +94,25 @@ def max_tiles(rows: int) -> int:
     return -(-rows // 64) + MAX_SEGMENTS
 
 
-def step_sizes(rows: int, logit_rows: int) -> dict[str, tuple[str, int]]:
+def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str, tuple[str, int]]:
     """The values the host sends each step (one contiguous copy): name -> (dtype, count)."""
     R, MB = rows, logit_rows
-    return {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
-            "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
-            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
-            "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R))}
+    out = {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
+           "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
+           "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
+           "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R))}
+    if penalties:
+        out.update({"repetition_penalty": ("f32", MB), "presence_penalty": ("f32", MB),
+                    "frequency_penalty": ("f32", MB)})
+    return out
+
+
+def penalty_tables(spec: ModelSpec, max_seqs: int) -> dict[str, tuple[str, tuple[int, int], int]]:
+    """The GPU penalties' per-sequence state (rows by sequence slot; the host writes a row when a sequence with
+    penalties starts, the sampler adds each token it draws): name -> (dtype, shape, bytes)."""
+    v, words = spec.vocab_size, -(-spec.vocab_size // 32)
+    return {"pen_counts": ("i32", (max_seqs, v), max_seqs * v * 4),           # tokens generated so far
+            "pen_seen": ("i32", (max_seqs, words), max_seqs * words * 4)}      # prompt tokens, one bit each
 
 
 def wg_smem_bytes(bn: int) -> int:
@@ -153,7 +167,7 @@ def aligned(n: int) -> int:
 
 
 def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none") -> list[tuple]:
+                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none", penalties: bool = False) -> list[tuple]:
     """Every buffer of the arena in order: (name, kind, dtype, shape, bytes, values). Weights first (as the
     bundle stores them), then constants, block tables, step values, scratch, and the KV pool last."""
     out: list[tuple] = []
@@ -174,7 +188,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
         vals = tuple(float(v) for v in inv_freq(spec.head_dim, base, scaling).astype("float32"))
         out.append((f"rope.{j}", "const", "f32", (spec.head_dim // 2,), spec.head_dim // 2 * 4, vals))
     out.append(("block_tables", "table", "i32", (max_seqs, max_pages), max_seqs * max_pages * 4, None))
-    for name, (dtype, count) in step_sizes(rows, logit_rows).items():
+    if penalties:
+        out += [(name, "table", dtype, shape, nbytes, None) for name, (dtype, shape, nbytes)
+                in penalty_tables(spec, max_seqs).items()]
+    for name, (dtype, count) in step_sizes(rows, logit_rows, penalties).items():
         out.append((name, "step", dtype, (count,), count * (8 if dtype == "u64" else 4), None))
     for name, (dtype, shape, nbytes) in scratch_sizes(spec, rows, logit_rows).items():
         out.append((name, "scratch", dtype, shape, nbytes, None))
@@ -202,10 +219,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
 
 
 def fixed_arena_bytes(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                      max_pages: int, wg_mode: str = "none") -> int:
+                      max_pages: int, wg_mode: str = "none", penalties: bool = False) -> int:
     """Bytes of the arena before the KV pool (the plan gives what is left to KV pages)."""
     return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0,
-                                                    wg_mode) if e[1] != "kv")
+                                                    wg_mode, penalties) if e[1] != "kv")
 
 
 def rope_variants(spec: ModelSpec) -> list[tuple]:
@@ -327,7 +344,7 @@ class ProgramBuilder:
         offset = 0
         for name, kind, dtype, shape, nbytes, values in arena_entries(
                 self.spec, self.formats, self.R, self.MB, self.max_seqs, self.max_pages, self.page, self.kv_pages,
-                self.wg_mode):
+                self.wg_mode, self.opt.gpu_penalties):
             self.buffers[name] = Buffer(name, offset, int(nbytes), dtype, tuple(int(x) for x in shape), kind, values)
             offset += aligned(nbytes)
         self.arena_bytes = offset
@@ -585,11 +602,18 @@ class ProgramBuilder:
               [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))])
 
     def sample(self, e: _Emitter, rows) -> None:
-        b = ev(rows, self.rows_max, self.MB)
+        b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
+        pen = [ptr("seq_slot"), ptr("repetition_penalty"), ptr("presence_penalty"), ptr("frequency_penalty")]
+        if self.opt.gpu_penalties:      # the rows' penalties on their logits, from their sequences' token counts
+            e.add("apply_penalties", (rows,), (1024,), [ptr("logits"), *pen, ptr("pen_counts"), ptr("pen_seen")],
+                  [("logits", b * v * 4), ("pen_counts", b * v * 4), ("pen_seen", b * v // 8)], [("logits", b * v * 4)])
         e.add("sample_tokens", (rows,), (1024,),
               [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
                ptr("sampled")],
-              [("logits", b * self.spec.vocab_size * 4)], [("sampled", b * 4)])
+              [("logits", b * v * 4)], [("sampled", b * 4)])
+        if self.opt.gpu_penalties:      # ... and each drawn token counted for the next step
+            e.add("count_sampled", (1,), (256,), [ptr("sampled"), *pen, ptr("pen_counts"), i32(rows)],
+                  [("sampled", b * 4)], [("pen_counts", b * 4)])
 
     def decode(self, b: int) -> Phase:
         dec = b <= self.gemv_rows

@@ -39,7 +39,8 @@ def fmt_gib(n: float) -> str:
 
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
-                max_context: int | None, max_batch: int, prefill_weights: str = "auto") -> dict:
+                max_context: int | None, max_batch: int, prefill_weights: str = "auto",
+                gpu_penalties: bool = False) -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/launches.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages."""
     from impc.launches import fixed_arena_bytes, prefill_weights_mode, rows_for
@@ -65,7 +66,8 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
         max_pages = math.ceil(ctx / page)
         rows, logit_rows = rows_for(chunk, max_batch)
         wg_mode = prefill_weights_mode(spec, formats, t, vram, prefill_weights)
-        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode)
+        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode,
+                                  gpu_penalties)
         page_bytes = page * kv_tok
         budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
         pages = max(budget, 0) // page_bytes

@@ -134,8 +134,8 @@ class Engine:
 class Generation:
     """One request's host side: its sampler, its detokenizer and the stop-string hold-back. The
     scheduler feeds it each step's result: `on_logits` where the request samples on the host (logprobs,
-    penalties, a token-mask constraint, and every first token, which comes from a prefill's logits),
-    `on_token` where the executor sampled it."""
+    a token-mask constraint, penalties unless the executor applies them, and every first token, which comes
+    from a prefill's logits), `on_token` where the executor sampled it."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  constraint: Constraint | None):
@@ -147,8 +147,10 @@ class Generation:
             raise RequestError("max_tokens must be at least 1")
         self.prompt_ids, self.params, self.constraint = list(prompt_ids), params, constraint
         self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
-        self.host_sampled = (constraint is not None or params.logprobs is not None or params.repetition_penalty != 1.0
-                             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
+        self.penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                          or params.frequency_penalty != 0.0)
+        self.host_sampled = (constraint is not None or params.logprobs is not None
+                             or (self.penalised and not getattr(engine.executor, "penalties_on_device", False)))
         self.sampler = Sampler(params, prompt_ids)
         self.detok = engine.tokenizer.detokenizer()
         self.stops = [s for s in params.stop if s]
@@ -181,13 +183,23 @@ class Generation:
         allowed = self.constraint.allowed() if self.constraint else None
         if self.host_sampled:
             tok, scored = self.sampler.sample(logits, allowed)
-        else:      # as the executor samples: a seeded draw depends on (seed, position) only
+        else:      # as the executor samples (its penalties too): a seeded draw depends on (seed, position) only
+            if self.penalised:
+                logits = self.sampler.penalise(logits)
             seed, pos = self.params.seed, len(self.prompt_ids) + len(self.out)
             tok, scored = choose(logits, self.params, self.sampler.rng if seed is None else step_rng(seed, pos)), logits
+            self._count(tok)
         return self._event(tok, scored)
 
     def on_token(self, tok: int) -> TokenEvent:
+        self._count(tok)
         return self._event(tok, None)
+
+    def _count(self, tok: int) -> None:
+        """A token sampled outside the host sampler joins its counts (the penalties' history: a preempted
+        request's device state is rebuilt from them)."""
+        if self.penalised:
+            self.sampler.out_counts[tok] = self.sampler.out_counts.get(tok, 0) + 1
 
     def _event(self, tok: int, scored: np.ndarray | None) -> TokenEvent:
         self.record(tok)

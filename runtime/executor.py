@@ -7,8 +7,9 @@ page to several sequences. Page 0 is the padding page (padding rows of a decode 
 pages 1 .. num_pages - 1 are the usable pool.
 
 A decode step samples on the device with each row's parameters (temperature, top-k, top-p, min-p,
-seed); a row's logits come back to the host only when the row asks for them (logprobs, penalties or a
-token-mask constraint, which the engine then applies on the host).
+seed; and repetition / presence / frequency penalties where `penalties_on_device`, from a per-sequence state
+`init_penalties` writes); a row's logits come back to the host only when the row asks for them (logprobs,
+penalties otherwise, or a token-mask constraint, which the engine then applies on the host).
 
 A decode step is launched and read in two calls, so the host can work while the device computes:
 `decode_submit` writes the step's values and launches it, `decode_collect` waits for it and reads the
@@ -70,6 +71,8 @@ class Executor(Protocol):
     async_decode: bool                  # decode_submit returns before the step is computed (worth pipelining)
     mixed_steps: bool                   # decode_submit takes prefill chunks (worth mixing: shared weight reads)
     max_segments: int                   # chunks of distinct sequences one step takes at most
+    penalties_on_device: bool           # the step applies each row's repetition / presence / frequency penalties
+                                        # itself (init_penalties first); else such rows are sampled on the host
 
     def new_sequence(self) -> int: ...
     def set_pages(self, sid: int, pages: list[int]) -> None:

@@ -114,6 +114,7 @@ class CpuExecutor:
     name = "cpu"
     async_decode = False                   # decode_submit computes the step before it returns
     mixed_steps = False                    # a mixed step costs what its parts do: the scheduler keeps them apart
+    penalties_on_device = False            # the engine applies penalties on the host (it gets such rows' logits)
     max_segments = 16                      # (when a test mixes them anyway)
 
     def __post_init__(self):

@@ -36,6 +36,7 @@ def target_of(major: int, minor: int) -> str:
 class _Seq:
     slot: int
     pages: list[int] = field(default_factory=list)
+    penalties: bool = False             # its slot's penalty state is on the device (init_penalties)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class CudaExecutor:
         # several sequences' chunks in one prefill call (bundles compiled before it: one, and no tile table)
         self.max_segments = c.get("max_segments", 1)
         self.mixed_steps = "dec" in p.symbols       # prefill phases that carry decode rows
+        self.penalties_on_device = "pen_counts" in p.buffers    # compiled with --gpu-penalties
         self.fa_qtile, self.fa_tile_ints = c.get("fa_query_tile", 128), c.get("fa_tile_ints", 8)
         self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes())
         for name, nbytes in p.kernel_smem.items():
@@ -137,6 +139,25 @@ class CudaExecutor:
         seq = self._seqs.pop(sid, None)
         if seq is not None:
             self.free_slots.append(seq.slot)
+
+    def init_penalties(self, sid: int, seen: list[int], counts: dict[int, int]) -> None:
+        """The device's penalty state of sid, before its first step with penalties (and again after a preemption,
+        in a new sequence): the prompt's tokens `seen` and the generated ones' counts (bundles compiled with
+        --gpu-penalties)."""
+        if not self.penalties_on_device:
+            raise RuntimeError("this bundle samples penalties on the host (compile with --gpu-penalties)")
+        seq = self._seqs[sid]
+        bits = np.zeros(-(-self.vocab // 32), np.uint32)
+        ids = np.unique(np.asarray(list(seen), np.int64))
+        if ids.size and not 0 <= ids[0] <= ids[-1] < self.vocab:
+            raise ValueError(f"penalty tokens must lie in 0..{self.vocab - 1}")
+        np.bitwise_or.at(bits, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        row = np.zeros(self.vocab, np.int32)
+        for tok, c in counts.items():
+            row[tok] = c
+        htod(self.arena.ptr("pen_seen", seq.slot * bits.nbytes), bits.view(np.int32), self.stream)
+        htod(self.arena.ptr("pen_counts", seq.slot * row.nbytes), row, self.stream)
+        seq.penalties = True
 
     def _kv_slot(self, seq: _Seq, pos: int) -> int:
         i = pos // self.page_size
@@ -286,8 +307,15 @@ class CudaExecutor:
             st["min_p"][i] = p.min_p if p else 0.0
             st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
             st["step"][i] = r.position
-        for name, pad in (("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1),
-                          ("temperature", 0.0)):      # padding rows: the padding slot and page, greedy
+            if self.penalties_on_device:
+                rep, pres, freq = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) if p else (1.0, 0.0, 0.0)
+                if (rep != 1.0 or pres != 0.0 or freq != 0.0) and not seq.penalties:
+                    raise ValueError(f"sequence {r.sid} samples with penalties before init_penalties")
+                st["repetition_penalty"][i], st["presence_penalty"][i], st["frequency_penalty"][i] = rep, pres, freq
+        pads = [("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1), ("temperature", 0.0)]
+        if self.penalties_on_device:
+            pads += [("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
+        for name, pad in pads:      # padding rows: the padding slot and page, greedy, no penalties
             st[name][n:b] = pad
         return b
 

@@ -73,6 +73,7 @@ class Request:
     gen: "Generation"            # the host side: sampling, stop strings, detokenizing
     table: BlockTable = field(default_factory=BlockTable)
     sid: int | None = None       # the executor's slot while running
+    penalty_sid: int | None = None   # the sid whose device penalty state was written (executor.init_penalties)
     pages_sent: int = 0          # how many of table.pages the executor has been told about
     computed: int = 0            # positions whose KV is written
     cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache (first admission)
@@ -333,6 +334,9 @@ class Scheduler:
         for req in rows:
             self._send_pages(req)
             g = req.gen
+            if g.penalised and not g.host_sampled and req.penalty_sid != req.sid:    # penalties on the device
+                self.executor.init_penalties(req.sid, g.prompt_ids, dict(g.sampler.out_counts))
+                req.penalty_sid = req.sid
             step.append(StepRow(req.sid, g.pending, req.computed, None if g.host_sampled else g.params,
                                 want_logits=g.host_sampled))
         return step

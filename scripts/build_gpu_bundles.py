@@ -19,10 +19,11 @@ import os  # noqa: E402
 
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
-        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide"}
+        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-pen": "qwen3"}
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0}
+# qwen3-pen: the tiny qwen3 with --gpu-penalties (the sampler's penalties on the device)
 # llama: Hopper prefill expands each NVFP4 weight before its GEMM (--prefill-weights dequant); the others keep
 # the fp16 copies expanded at load (the default for models this small)
 VRAM_GIB = 4
@@ -45,7 +46,8 @@ def build(names: list[str]) -> None:
                                              quant_embed=name.endswith("-qe"),
                                              quant_head=name.endswith("-qe"),
                                              prefill_weights="dequant" if name == "llama" else "auto",
-                                             gemv_max_rows=GEMV_MAX_ROWS.get(name)))
+                                             gemv_max_rows=GEMV_MAX_ROWS.get(name),
+                                             gpu_penalties=name.endswith("-pen")))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB), seed=1)

@@ -49,3 +49,37 @@ def test_prefix_cache_hit_matches_cold(engine):
     cold = tokens(engine.generate(prompt, params))          # fills the cache with the prefix's full pages
     warm = tokens(engine.generate(prompt, params))
     assert warm == cold
+
+
+def test_gpu_penalties_give_the_host_samplers_tokens():
+    """A bundle compiled with --gpu-penalties applies repetition / presence / frequency penalties in the step
+    (apply_penalties, count_sampled, from the state the scheduler writes): greedy requests with penalties, batched
+    with one without, get the tokens of the host sampler on the same GPU logits (the same executor told to leave
+    penalties to the host: their logits come back and runtime/sampler.py applies them)."""
+    from imp_runtime.engine import Engine
+    from imp_runtime.sampler import SamplingParams
+    eng = Engine(gpu_bundle("qwen3-pen"), device="cuda", verify=False)
+    try:
+        assert eng.executor.penalties_on_device
+        kinds = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.9),
+                 dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.5), {}]
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(4, 40, 20 + 5 * i).tolist() for i in range(len(kinds))]
+
+        def serve() -> list[list[int]]:
+            reqs = [eng.submit(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **k))
+                    for p, k in zip(prompts, kinds)]
+            out = {id(r): [] for r in reqs}
+            while not all(r.done for r in reqs):
+                for o in eng.scheduler.step():
+                    assert o.error is None, o.error
+                    out[id(o.request)].append(o.event.token_id)
+            return [out[id(r)] for r in reqs]
+
+        on_device = serve()
+        eng.executor.penalties_on_device = False      # new requests sample penalties on the host
+        on_host = serve()
+        assert on_device == on_host
+        assert all(len(t) == 24 for t in on_device)
+    finally:
+        eng.executor.close()

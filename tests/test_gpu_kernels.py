@@ -22,7 +22,7 @@ except ImportError:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs an NVIDIA GPU")]
 
-BUNDLES = ["llama", "llama-qe", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide"]
+BUNDLES = ["llama", "llama-qe", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide", "qwen3-pen"]
 TOL, TOL_F32 = 1e-2, 1e-4
 
 
@@ -390,6 +390,50 @@ def test_act(ex):
     run(ex, phase, tokens, i, rows=rows, start=0, slot=1)
     ref = gated_act(gu.astype(np.float64), ex.spec.activation)
     assert rel(activation(ex, buf(x, 1), rows, inter, scalar(x, 2)), ref) <= TOL
+
+
+def test_penalties(ex):
+    """apply_penalties against the host sampler's penalise (runtime/sampler.py), bit for bit (the same float32
+    operations in the same order), over rows of each kind: repetition only, presence and frequency only, all
+    three, none; then count_sampled adds each penalised row's drawn token to its slot's counts, and no other."""
+    from imp_runtime.sampler import SamplingParams, Sampler
+    b = 8
+    i, x = find(ex, "decode", b, "apply_penalties")
+    j, y = find(ex, "decode", b, "count_sampled")
+    v, words, rng = ex.vocab, -(-ex.vocab // 32), np.random.default_rng(5)
+    kinds = [(1.3, 0.0, 0.0), (1.0, 0.6, 0.25), (1.7, 0.4, 1.1), (1.0, 0.0, 0.0)] * 2
+    slots = rng.choice(np.arange(1, ex.max_seqs), b, replace=False).astype(np.int32)
+    logits = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+    counts = np.zeros((b, v), np.int32)
+    ref = logits.copy()
+    for r, (rep, pres, freq) in enumerate(kinds):
+        prompt = rng.integers(0, v, 50).tolist()
+        out = rng.integers(0, v, 30)
+        s = Sampler(SamplingParams(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq), prompt)
+        s.out_counts = {int(t): int(c) for t, c in zip(*np.unique(out, return_counts=True))}
+        for t, c in s.out_counts.items():
+            counts[r, t] = c
+        if (rep, pres, freq) != (1.0, 0.0, 0.0):
+            ref[r] = s.penalise(logits[r])
+        bits = np.zeros(words, np.uint32)
+        np.bitwise_or.at(bits, np.asarray(prompt) >> 5, np.uint32(1) << (np.asarray(prompt) & 31).astype(np.uint32))
+        put(ex, "pen_seen", bits.view(np.int32), int(slots[r]) * words * 4)
+        put(ex, "pen_counts", counts[r], int(slots[r]) * v * 4)
+    put(ex, "logits", logits)
+    put(ex, "seq_slot", slots)
+    for name, col in (("repetition_penalty", 0), ("presence_penalty", 1), ("frequency_penalty", 2)):
+        put(ex, name, np.asarray([k[col] for k in kinds], np.float32))
+    run(ex, "decode", b, i)
+    got = get(ex, "logits", np.float32, b * v).reshape(b, v)
+    assert np.array_equal(got, ref)
+    drawn = rng.integers(0, v, b).astype(np.int32)
+    put(ex, "sampled", drawn)
+    run(ex, "decode", b, j)
+    for r, k in enumerate(kinds):
+        row = get(ex, "pen_counts", np.int32, v, int(slots[r]) * v * 4)
+        want = counts[r].copy()
+        want[drawn[r]] += k != (1.0, 0.0, 0.0)
+        assert np.array_equal(row, want), f"row {r}"
 
 
 # ------------------------------------------------------------------ norms, embedding, head helpers

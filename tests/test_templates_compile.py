@@ -11,7 +11,8 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "r
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
             "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "attn_prefill_merge", "gemm_nvfp4_f16",
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
-            "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1"]     # batch 1 with RMSNorm fused (hidden <= 8192)
+            "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
+            "apply_penalties", "count_sampled"]                     # --gpu-penalties
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
                  *[f"gemm_wq{n}" for n in (16, 32, 64)]]
@@ -83,3 +84,34 @@ def test_templates_compile(shape, target):
                     assert not any(b.endswith(".f16") for x in ph.launches for b, _ in x.reads)
     else:
         assert not any(k.startswith(("gemm_wg", "gemm_wq")) for k in launched)
+
+
+def test_gpu_penalties_program():
+    """--gpu-penalties: each sampling launch (every decode bucket, every prefill phase's decode rows) is preceded
+    by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables and the
+    per-row step values planned into the arena (and counted by the plan); without it, none of them exist."""
+    from impc.launches import ProgramOptions, build_program, penalty_tables
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    spec, t = SHAPES["tiny-llama"], load_target("sm_90a")
+    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
+               for n, s in spec.tensor_shapes().items()}
+    names = ("pen_counts", "pen_seen", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    plain = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 512, 64), ProgramOptions(), None)
+    assert not any(n in plain.buffers for n in names)
+    assert not any(x.kernel in ("apply_penalties", "count_sampled") for ph in plain.phases for x in ph.launches)
+    plan = plan_memory(spec, formats, [t], None, 512, 64, gpu_penalties=True)
+    prog = build_program(spec, formats, t, plan, ProgramOptions(gpu_penalties=True), None)
+    assert all(n in prog.buffers for n in names)
+    tables = penalty_tables(spec, prog.constants["max_seqs"])
+    assert prog.buffers["pen_counts"].bytes == tables["pen_counts"][2] == prog.constants["max_seqs"] * spec.vocab_size * 4
+    # the plan counted them: the KV pool shrinks by at least their bytes
+    assert plan["targets"]["sm_90a"]["kv_pages"] < plain.constants["kv_pages"]
+    for ph in prog.phases:
+        ks = [x.kernel for x in ph.launches]
+        if "sample_tokens" not in ks:
+            continue
+        s = ks.index("sample_tokens")
+        assert ks[s - 1] == "apply_penalties" and ks[s + 1] == "count_sampled", (ph.phase, ph.tokens)
+        assert ph.launches[s - 1].grid == ph.launches[s].grid
+        assert ph.launches[s + 1].args[-1] == {"i32": ph.launches[s].grid[0]}
