@@ -80,8 +80,8 @@ def render(spec: ModelSpec, target: dict, plan: dict) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
-    from impc.launches import (ATTN_MAX_SPLITS, FA_TILE_INTS, WG_STAGES, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS,
-                               WQ_RW, wq_shape)
+    from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS
+    from impc.launch_linear import WG_STAGES, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES},

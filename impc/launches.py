@@ -7,38 +7,21 @@ arguments, and the bytes it moves. The cuda executor only binds and replays what
 tests take their launches from here too, so a grid or an argument list exists in one place.
 """
 from __future__ import annotations
+from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
+                               max_tiles, rope_variants, rows_for, wgmma_weights)
 from impc.errors import CompileError
+from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
 from imp_runtime.nvfp4 import BLOCK
-from imp_runtime.program import ALIGN, Buffer, Launch, Phase, Program, evaluate, validate
-from imp_runtime.rope import inv_freq
+from imp_runtime.program import Buffer, Phase, Program, validate
 from imp_runtime.spec import ModelSpec
 
-# Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
-# programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
-PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
-               "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
 ATTN_GRID_SPLITS = 16         # decode attention: at most this many blocks per (sequence, kv head)
-ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
-GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
-WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
-WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
-WG_SMALL_CHUNK = 128     # Hopper: smaller prefill phases for chunks of one row tile (split keys) and of two
-WG_MID_CHUNK = 256       # (a mixed step: decode rows plus a short prefill chunk), their GEMMs split over K
-FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
-MAX_SEGMENTS = 16        # sequences' chunks one call of the largest prefill phase takes (a tile table each step)
-FA_TILE_INTS = 8         # ints of a tile-table entry (templates/attn_prefill.cu.j2)
-# templates/gemm_wgmma_nvfp4.cu.j2 (rendered from these): a kernel per NB, the activation rows of a block (wgmma's N),
-# with its activation ring depth; K a stage, weight rows a block, raw stages in flight and their bytes (codes + scales)
-WQ_RA = {16: 4, 32: 4, 64: 4}
-WQ_NB = tuple(WQ_RA)
-WQ_K, WQ_ROWS, WQ_RW = 256, 64, 8
-WQ_RAW = WQ_ROWS * (WQ_K // 2 + WQ_K // BLOCK)
-F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last prompt token; all-token logits)
 ROWS = {"sym": "rows"}
 
@@ -61,175 +44,6 @@ class ProgramOptions:
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties}
 
 
-def rows_for(chunk: int, max_batch: int) -> tuple[int, int]:
-    """(R, MB): rows of the activation scratch (the widest of a prefill chunk and a decode batch) and rows
-    of the logits/sampling scratch."""
-    return max(chunk, max_batch, 64), max(max_batch, 64)
-
-
-def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """name -> (dtype, shape, bytes) of every scratch buffer (the plan counts them before KV)."""
-    s, R, MB = spec, rows, logit_rows
-    qkv = s.q_dim + 2 * s.kv_dim
-    return {
-        "x": ("f32", (R, s.hidden), R * s.hidden * 4),                 # the residual stream
-        "t": ("f32", (R, s.hidden), R * s.hidden * 4),                 # a projection before a sandwich norm
-        "hb": ("u16", (R, s.hidden), R * s.hidden * 2),                # normed x: GEMM input or GEMV planes
-        "ab": ("u16", (R, s.intermediate), R * s.intermediate * 2),    # act(gate) * up
-        "qkv": ("f32", (R, qkv), R * qkv * 4),
-        "q": ("f16", (R, s.q_dim), R * s.q_dim * 2),
-        "attn": ("u16", (R, s.q_dim), R * s.q_dim * 2),
-        "gu": ("f32", (R, 2 * s.intermediate), R * 2 * s.intermediate * 4),
-        "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
-        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 2),
-                    MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 2) * 4),
-        "attn_counts": ("i32", (MB, s.n_kv_heads), MB * s.n_kv_heads * 4),    # decode attention's blocks done
-        "sampled": ("i32", (MB,), MB * 4),
-    }
-
-
-def max_tiles(rows: int) -> int:
-    """Query tiles of the largest prefill phase's attention at most: its rows in tiles of 64 (the smallest), one
-    partial tile more per sequence."""
-    return -(-rows // 64) + MAX_SEGMENTS
-
-
-def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str, tuple[str, int]]:
-    """The values the host sends each step (one contiguous copy): name -> (dtype, count)."""
-    R, MB = rows, logit_rows
-    out = {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
-           "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
-           "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
-           "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R))}
-    if penalties:
-        out.update({"repetition_penalty": ("f32", MB), "presence_penalty": ("f32", MB),
-                    "frequency_penalty": ("f32", MB)})
-    return out
-
-
-def penalty_tables(spec: ModelSpec, max_seqs: int) -> dict[str, tuple[str, tuple[int, int], int]]:
-    """The GPU penalties' per-sequence state (rows by sequence slot; the host writes a row when a sequence with
-    penalties starts, the sampler adds each token it draws): name -> (dtype, shape, bytes)."""
-    v, words = spec.vocab_size, -(-spec.vocab_size // 32)
-    return {"pen_counts": ("i32", (max_seqs, v), max_seqs * v * 4),           # tokens generated so far
-            "pen_seen": ("i32", (max_seqs, words), max_seqs * words * 4)}      # prompt tokens, one bit each
-
-
-def wg_smem_bytes(bn: int) -> int:
-    """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
-    return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
-
-
-def wq_shape(spec: ModelSpec) -> bool:
-    """Whether any layer linear of this shape can run gemm_wq (K a multiple of WQ_K: qkv and gate_up read the hidden
-    size, o the query width; down only after a gate_up on it): the kernels are emitted only then (nvcc time)."""
-    return spec.hidden % WQ_K == 0 or spec.q_dim % WQ_K == 0
-
-
-def wq_smem_bytes(nb: int) -> int:
-    """Dynamic shared memory of gemm_wq<nb>: the consumers' reduction, the activation and raw rings, 1 KB to
-    align them for the 128-byte swizzle, barriers."""
-    return nb * 256 + WQ_RA[nb] * nb * WQ_K * 2 + WQ_RW * WQ_RAW + 1024 + 8 * 2 * (WQ_RW + WQ_RA[nb])
-
-
-def wgmma_weights(spec: ModelSpec, formats: dict[str, str]) -> list[tuple[str, int, int]]:
-    """(name, N, K) of the NVFP4 layer linears the wgmma prefill GEMM reads expanded to fp16."""
-    return [(name, *shape) for name, shape in spec.tensor_shapes().items()
-            if name.startswith("layers.") and formats[name] == "nvfp4"]
-
-
-def prefill_weights_mode(spec: ModelSpec, formats: dict[str, str], target: dict, vram_bytes: int,
-                         choice: str = "auto") -> str:
-    """How prefill reads NVFP4 weights on this target:
-    - "none": no wgmma (not Hopper): the mma.sync GEMM expands them in registers;
-    - "copy": an fp16 copy of every layer linear, expanded once at load (the init phase), when the copies
-      take at most a quarter of the device memory (8B: 14 GB of 139): prefill is then pure GEMM;
-    - "dequant": each linear expanded into one scratch buffer just before its GEMM, every prefill chunk
-      (bigger models; costs ~0.3 ms a layer of the 8B shape per chunk, bandwidth-bound)."""
-    if choice not in ("auto", "copy", "dequant"):
-        raise CompileError(f"--prefill-weights {choice}: choose auto, copy or dequant")
-    if target["compute_capability"][0] != 9:
-        return "none"
-    if choice != "auto":
-        return choice
-    copy = sum(n * k * 2 for _, n, k in wgmma_weights(spec, formats))
-    return "copy" if copy <= vram_bytes // 4 else "dequant"
-
-
-def fa_splits_max(max_context: int) -> int:
-    """Key splits of the small prefill phase's attention at most: ceil(start / FA_KV_SPLIT) + 1 (the last holds
-    the chunk's own keys) for a start below the context."""
-    return -(-max_context // FA_KV_SPLIT) + 1
-
-
-def aligned(n: int) -> int:
-    return (int(n) + ALIGN - 1) // ALIGN * ALIGN
-
-
-def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none", penalties: bool = False) -> list[tuple]:
-    """Every buffer of the arena in order: (name, kind, dtype, shape, bytes, values). Weights first (as the
-    bundle stores them), then constants, block tables, step values, scratch, and the KV pool last."""
-    out: list[tuple] = []
-    for name, shape in spec.tensor_shapes().items():
-        fmt = formats[name]
-        if fmt == "nvfp4":
-            n, k = shape
-            if k % 32:
-                raise CompileError(f"{name}: K={k} is not a multiple of 32, which the GPU kernels need; "
-                                   f"compile with --target none (cpu only) or --quant bf16")
-            out += [(name + ".codes", "weight", "u8", (n, k // 2), n * k // 2, None),
-                    (name + ".scales", "weight", "u8", (n, k // BLOCK), n * k // BLOCK, None),
-                    (name + ".tscale", "weight", "f32", (1,), 4, None)]
-        else:
-            out.append((name, "weight", "bf16" if fmt == "bf16" else "f32", shape,
-                        math.prod(shape) * (2 if fmt == "bf16" else 4), None))
-    for j, (base, scaling) in enumerate(rope_variants(spec)):
-        vals = tuple(float(v) for v in inv_freq(spec.head_dim, base, scaling).astype("float32"))
-        out.append((f"rope.{j}", "const", "f32", (spec.head_dim // 2,), spec.head_dim // 2 * 4, vals))
-    out.append(("block_tables", "table", "i32", (max_seqs, max_pages), max_seqs * max_pages * 4, None))
-    if penalties:
-        out += [(name, "table", dtype, shape, nbytes, None) for name, (dtype, shape, nbytes)
-                in penalty_tables(spec, max_seqs).items()]
-    for name, (dtype, count) in step_sizes(rows, logit_rows, penalties).items():
-        out.append((name, "step", dtype, (count,), count * (8 if dtype == "u64" else 4), None))
-    for name, (dtype, shape, nbytes) in scratch_sizes(spec, rows, logit_rows).items():
-        out.append((name, "scratch", dtype, shape, nbytes, None))
-    wg = wgmma_weights(spec, formats)
-    if wg_mode == "copy":
-        out += [(name + ".f16", "scratch", "f16", (n, k), n * k * 2, None) for name, n, k in wg]
-    elif wg_mode == "dequant" and wg:
-        n, k = max(((n, k) for _, n, k in wg), key=lambda s: s[0] * s[1])
-        out.append(("wdq", "scratch", "f16", (n, k), n * k * 2, None))
-    if wg_mode != "none":      # the small prefill phase: its attention's key-split partials, and the split-K
-        # partial sums and turn flags of its GEMMs (gemm_wgmma)
-        n = fa_splits_max(max_pages * page) * WG_SMALL_CHUNK * spec.n_heads * (spec.head_dim + 2)
-        out.append(("fa_partial", "scratch", "f32", (n,), n * 4, None))
-        tiles = max(-(-shape[0] // 64) for name, shape in spec.tensor_shapes().items() if name.startswith("layers.")
-                    and len(shape) == 2)
-        tiles = 2 * tiles + 4       # two row tiles (the mid phase) of 64-column tiles, or of wider ones rounded up
-        out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),
-                ("wg_flags", "scratch", "i32", (tiles,), tiles * 4, None)]
-    page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
-    for i in range(spec.n_layers):
-        for kv in ("k", "v"):
-            out.append((f"kv.{i}.{kv}", "kv", "f16", (kv_pages, spec.n_kv_heads, page, spec.head_dim),
-                        kv_pages * page_bytes, None))
-    return out
-
-
-def fixed_arena_bytes(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                      max_pages: int, wg_mode: str = "none", penalties: bool = False) -> int:
-    """Bytes of the arena before the KV pool (the plan gives what is left to KV pages)."""
-    return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0,
-                                                    wg_mode, penalties) if e[1] != "kv")
-
-
-def rope_variants(spec: ModelSpec) -> list[tuple]:
-    """The distinct (base, scaling) RoPE tables of the layers, in first-use order."""
-    return list(dict.fromkeys(spec.rope_for(i) for i in range(spec.n_layers)))
-
-
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
     """(threads, query rows, dynamic shared memory) of a block of attn_prefill_f16 (templates/attn_prefill.cu.j2):
     4 warps of 2 row blocks of 16 (1 above head_dim 128), the Q tile and two double-buffered K and V tiles of
@@ -239,69 +53,7 @@ def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
     return 128, qt, (qt * ld + 4 * kt * ld) * 2
 
 
-@dataclass
-class _Lin:
-    name: str
-    fmt: str
-    n: int
-    k: int
-
-    def weight_args(self) -> list[dict]:
-        if self.fmt == "nvfp4":
-            return [ptr(self.name + ".codes"), ptr(self.name + ".scales"), ptr(self.name + ".tscale")]
-        return [ptr(self.name)]
-
-    def reads(self) -> list[tuple[str, int]]:
-        if self.fmt == "nvfp4":
-            return [(self.name + ".codes", self.n * self.k // 2), (self.name + ".scales", self.n * self.k // BLOCK),
-                    (self.name + ".tscale", 4)]
-        return [(self.name, self.n * self.k * 2)]
-
-
-def ptr(name: str | None, offset=0) -> dict:
-    return {"ptr": name} if offset == 0 else {"ptr": name, "offset": offset}
-
-
-def i32(v) -> dict:
-    return {"i32": v}
-
-
-def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int = 64) -> dict:
-    """A TMA descriptor argument: buffer `name` as a row-major [rows, cols] matrix of `dtype`, read in
-    [box_rows, box_cols] boxes: 16-bit with the 128-byte swizzle (64 columns), u8 unswizzled
-    (runtime/cuda_program.py builds it at bind time)."""
-    return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows,
-                     "box_cols": box_cols}}
-
-
-def ev(v, rows: int, dec_max: int | None = None) -> int:
-    """A value at `rows` (reads and writes are counted at the phase's full size; decode rows riding in a prefill
-    phase at most dec_max)."""
-    return evaluate(v, {"rows": rows, "prows": rows, "dec": min(rows, dec_max or rows)})
-
-
-def rows_div(rows, d: int):
-    """ceil(rows / d) for rows an int or a plain symbol ({"sym": name})."""
-    return {"sym": rows["sym"], "ceil_div": d} if isinstance(rows, dict) else -(-rows // d)
-
-
-@dataclass
-class _Emitter:
-    """Records the launches of one phase."""
-    pdl: bool
-    launches: list[Launch] = field(default_factory=list)
-    no_pdl_next: bool = False       # the next launch waits for its predecessor to finish (see decode's attention)
-
-    def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0) -> None:
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        block = tuple(block) + (1,) * (3 - len(block))
-        pdl, self.no_pdl_next = self.pdl and not self.no_pdl_next, False
-        self.launches.append(Launch(kernel, grid, block, smem, pdl and kernel.startswith(PDL_KERNELS),
-                                    tuple(args), tuple((b, int(n)) for b, n in reads if n),
-                                    tuple((b, int(n)) for b, n in writes if n)))
-
-
-class ProgramBuilder:
+class ProgramBuilder(LinearLaunches):
     def __init__(self, spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict,
                  options: ProgramOptions, synthetic_seed: int | None = None):
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
@@ -321,23 +73,6 @@ class ProgramBuilder:
         self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
 
-    def default_gemv_rows(self) -> int:
-        """Decode batches up to this many rows on the GEMV, by measurement on the H200 (BENCHMARKS.md):
-        - where Hopper's NVFP4 decode GEMM takes every layer linear (K a multiple of 256): 4 rows for hidden sizes
-          of 4096 and up (8B, batch 8: 1800 tok/s on the GEMM against 1652 on the GEMV), else 8 (Qwen3-0.6B shape:
-          batch 8 6319 on the GEMV against 5934, batch 16 10871 on the GEMM against 10225);
-        - else, against the wgmma GEMM over the fp16 copies: 8 rows for hidden 4096 and up (2370 against 2252 tok/s
-          at 16 rows), 16 below (0.6B 10.5k against 6.4k, SmolLM2 16.2k against 8.6k)."""
-        big = self.spec.hidden >= 4096
-        if self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4" and all(
-                k % WQ_K == 0 for name, (n, k) in self.linear_shapes() if self.formats[name] == "nvfp4"):
-            return 4 if big else 8
-        return 8 if self.wg_mode == "copy" and big else 16
-
-    def linear_shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        return [(name, shape) for name, shape in self.spec.tensor_shapes().items()
-                if name.startswith("layers.") and len(shape) == 2]
-
     # ------------------------------------------------------------------ arena
 
     def layout(self) -> None:
@@ -351,136 +86,6 @@ class ProgramBuilder:
         self.rope = {v: f"rope.{j}" for j, v in enumerate(rope_variants(self.spec))}
 
     # ------------------------------------------------------------------ pieces of a forward pass
-
-    def lin(self, name: str) -> _Lin:
-        n, k = self.spec.tensor_shapes()[name]
-        return _Lin(name, self.formats[name], n, k)
-
-    def gated_wgmma(self, lin: _Lin) -> bool:
-        """gate_up on the wgmma GEMM from an expanded NVFP4 copy: the GEMM's epilogue applies act(gate) * up."""
-        return self.wg_layers and lin.fmt == "nvfp4"
-
-    def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
-        """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
-        operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
-        Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations."""
-        m = ev(rows, self.rows_max, self.MB)
-        out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
-        if lin.fmt == "nvfp4":
-            wbuf = lin.name + ".f16"
-            if self.wg_mode == "dequant":
-                wbuf = "wdq"
-                self.dequant(e, lin, wbuf)
-            dtype, tscale, unscale = "f16", ptr(lin.name + ".tscale"), F16_NVFP4_UNSCALE
-            reads = [(wbuf, lin.n * lin.k * 2), (lin.name + ".tscale", 4)]
-        else:
-            wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
-            reads = lin.reads()
-        # the wider tile where it still gives every SM a block at the chunk's full size; phases of one or two
-        # row tiles (short chunks, decode batches past the GEMV, mixed steps) take the width whose waves of blocks
-        # carry the fewest columns a block (ties to the wider: gate_up at 128 rows runs 384 64-column tiles in 3
-        # waves rather than 192 128-column ones in 2), and split K so the grid (at most one block per SM: the
-        # splits wait on each other) fills the GPU
-        rtiles = -(-self.rows_max // WG_TILE_M)
-        bn = 256 if -(-lin.n // 256) * rtiles >= self.sm_count else 128
-        if self.rows_max <= WG_MID_CHUNK:     # the width with the least work a block wave (waves x width)
-            bn = min((256, 128, 64), key=lambda w: -(-(-(-lin.n // w) * rtiles) // self.sm_count) * w)
-        tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
-        if self.rows_max <= WG_MID_CHUNK:
-            splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // (tiles * rtiles)))
-        part = tiles * rtiles * bn * 512        # the split-K partial sums: 128 x bn floats a tile
-        if splits > 1:
-            split_args = [ptr("wg_ws"), ptr("wg_flags")]
-            reads += [("wg_ws", part), ("wg_flags", tiles * rtiles * 4)]
-        kern = f"gemm_wg{bn}_{dtype}"
-        self.kernel_smem[kern] = wg_smem_bytes(bn)
-        rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (tiles, rows_div(rows, WG_TILE_M), splits),
-              (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
-                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
-              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
-              [(out, out_bytes)] + ([("wg_ws", part), ("wg_flags", tiles * rtiles * 4)] if splits > 1 else []),
-              smem=wg_smem_bytes(bn))
-
-    def wq_ok(self, lin: _Lin) -> bool:
-        """This decode step's layer linear on gemm_wq (NVFP4 read as stored): a Hopper decode batch past the
-        GEMV's rows, up to the largest NB, K a multiple of WQ_K (the scales' TMA rows then 16-byte aligned)."""
-        if not (self.wq and lin.fmt == "nvfp4" and lin.k % WQ_K == 0 and lin.name.startswith("layers.")):
-            return False
-        if lin.name.endswith(".down"):      # its input (XF_F16W) comes from gate_up's epilogue on the same GEMM
-            return self.wq_ok(self.lin(lin.name[:-len("down")] + "gate_up"))
-        return True
-
-    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
-        """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
-        the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
-        / XF_F16W."""
-        m = ev(rows, self.rows_max, self.MB)
-        nb = next(x for x in WQ_NB if x >= self.rows_max)
-        gated = mode >= 2
-        tiles = -(-(lin.n // 2) // (WQ_ROWS // 2)) if gated else -(-lin.n // WQ_ROWS)
-        ytiles = -(-self.rows_max // nb)
-        # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
-        splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
-        part = tiles * ytiles * nb * WQ_ROWS * 4
-        box = WQ_ROWS // 2 if gated else WQ_ROWS
-        out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
-        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else [])
-        writes = [(out, out_bytes)]
-        split_args = [ptr(None), ptr(None)]
-        if splits > 1:
-            split_args = [ptr("wg_ws"), ptr("wg_flags")]
-            reads += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
-            writes += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
-        kern = f"gemm_wq{nb}"
-        self.kernel_smem[kern] = wq_smem_bytes(nb)
-        rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (tiles, rows_div(rows, nb), splits), (384,),
-              [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
-               tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
-               ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
-               *split_args], reads, writes, smem=wq_smem_bytes(nb))
-
-    def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
-        """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's
-        rows interleaved in groups of 8 for the gated epilogue."""
-        blocks = lin.n * lin.k // BLOCK
-        interleave = lin.n // 2 if lin.name.endswith(".gate_up") else 0
-        e.add("dequant_nvfp4_f16", (min(-(-blocks // 256), 8 * self.sm_count),), (256,),
-              [ptr(lin.name + ".codes"), ptr(lin.name + ".scales"), ptr(out), {"u64": blocks}, i32(lin.k // BLOCK),
-               i32(interleave)],
-              [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
-
-    def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
-               nb: int = 0) -> None:
-        """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
-        GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
-        if self.wq_ok(lin):
-            return self.linear_wq(e, a, lin, out, rows, mode)
-        if self.wg_layers and lin.name.startswith("layers."):
-            return self.linear_wgmma(e, a, lin, out, rows, mode)
-        m = ev(rows, self.rows_max, self.MB)
-        reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
-        writes = [(out, m * lin.n * 4)]
-        if planes:
-            kern = f"gemv_{lin.fmt}_nb{nb}"
-            e.add(kern, ((lin.n + 15) // 16,), (256,),
-                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes)
-            return
-        gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
-        gy = rows_div(rows, GEMM_TILE_M)
-        splits = 1
-        if split_k:     # enough blocks for two waves; a symbolic chunk is split for its full size
-            ktiles = (lin.k + GEMM_TILE_K - 1) // GEMM_TILE_K
-            splits = max(1, min(ktiles // 2, (2 * self.sm_count) // (gx * ev(gy, self.rows_max))))
-        if splits > 1:
-            if mode == 0:      # the atomic split-K adds into out: zero it first
-                e.add("fill_f32", (min(1024, (m * lin.n + 255) // 256),), (256,),
-                      [ptr(out), {"u64": m * lin.n}, {"f32": 0.0}], [], [(out, m * lin.n * 4)])
-            mode = 2
-        kern = "gemm_nvfp4_f16" if lin.fmt == "nvfp4" else "gemm_bf16"
-        e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
-                                               i32(lin.k), i32(mode)], reads, writes)
 
     def rmsnorm(self, e: _Emitter, x: str, w: str, out: str, rows, ofmt: int, x_off=0) -> None:
         h, m = self.spec.hidden, ev(rows, self.rows_max, self.MB)
@@ -500,24 +105,6 @@ class ProgramBuilder:
         reads = [("tokens", m * 4)] + [(b, min(n, m * row_bytes)) for b, n in emb.reads()]
         kern = "embedding_gather_nvfp4" if emb.fmt == "nvfp4" else "embedding_gather"
         e.add(kern, (rows,), (256,), [ptr("tokens"), *emb.weight_args(), ptr("x")], reads, [("x", m * s.hidden * 4)])
-
-    def norm_fused(self, lin: _Lin, dec: bool, nb: int) -> bool:
-        """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its
-        prologue (templates/gemv.cu.j2 *_norm_nb1, emitted for hidden sizes whose planes fit 32 KB), where its
-        blocks fit one wave (two an SM): each block pays the prologue, so over several waves it costs more
-        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%)."""
-        h = self.spec.hidden
-        cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
-        return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
-                and -(-cols // 16) <= 2 * self.sm_count)
-
-    def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
-        h = self.spec.hidden
-        cols = lin.n // 2 if gated else lin.n
-        e.add(f"gemv_{'gated_' if gated else ''}nvfp4_norm_nb1", ((cols + 15) // 16,), (256,),
-              [ptr("x"), ptr(norm), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(1), i32(mode)],
-              lin.reads() + [("x", h * 4), (norm, h * 4)],
-              [(out, 2 * cols * 2 if gated else cols * 4)])
 
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
         """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""

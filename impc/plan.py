@@ -43,7 +43,7 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
                 gpu_penalties: bool = False) -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/launches.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages."""
-    from impc.launches import fixed_arena_bytes, prefill_weights_mode, rows_for
+    from impc.arena_layout import fixed_arena_bytes, prefill_weights_mode, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
     ctx = max_context or min(spec.max_position, 32768)

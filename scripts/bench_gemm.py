@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
-from impc.launches import wg_smem_bytes  # noqa: E402
+from impc.launch_linear import wg_smem_bytes  # noqa: E402
 from imp_runtime.cuda_driver import Module, check, tensor_map  # noqa: E402
 from imp_runtime.nvfp4 import dequantize  # noqa: E402
 

@@ -56,7 +56,7 @@ def test_templates_compile(shape, target):
     src = render(spec, t, {})
     cubin, _cached = compile_cubin(src, t, nv, ver)
     symbols = kernel_symbols(cubin)
-    from impc.launches import wq_shape
+    from impc.launch_linear import wq_shape
     sm90 = {k for k in EXPECTED_SM90 if wq_shape(spec) or not k.startswith("gemm_wq")}
     assert symbols == set(EXPECTED) | (sm90 if target == "sm_90a" else set())
     formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
@@ -90,7 +90,8 @@ def test_gpu_penalties_program():
     """--gpu-penalties: each sampling launch (every decode bucket, every prefill phase's decode rows) is preceded
     by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables and the
     per-row step values planned into the arena (and counted by the plan); without it, none of them exist."""
-    from impc.launches import ProgramOptions, build_program, penalty_tables
+    from impc.arena_layout import penalty_tables
+    from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
     spec, t = SHAPES["tiny-llama"], load_target("sm_90a")

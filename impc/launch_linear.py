@@ -1,0 +1,281 @@
+"""Stage 4b, part 2: the launches of one linear layer (impc/launches.py builds the program from them).
+
+Which kernel computes out[rows, N] (= | +=) a[rows, K] @ W^T at a given phase and size, with its grid, arguments
+and bytes: the decode GEMV over x planes (templates/gemv.cu.j2; with the RMSNorm fused at batch 1), the mma.sync
+GEMM (templates/gemm.cu.j2), and on Hopper the TMA + wgmma GEMM over 16-bit operands (templates/gemm_wgmma.cu.j2:
+prefill, from the fp16 copies) and the one that reads NVFP4 as stored (templates/gemm_wgmma_nvfp4.cu.j2: decode
+batches past the GEMV). The templates' tile constants are rendered from the ones here (impc/emit.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from imp_runtime.nvfp4 import BLOCK
+from imp_runtime.program import Launch, evaluate
+from imp_runtime.spec import ModelSpec
+
+# Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
+# programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
+PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
+               "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
+GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
+WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
+WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
+WG_MID_CHUNK = 256       # Hopper: prefill phases of up to this many rows (short chunks, mixed steps: decode rows plus
+                         # a short prefill chunk) take the tile width by waves and split their GEMMs over K
+# templates/gemm_wgmma_nvfp4.cu.j2 (rendered from these): a kernel per NB, the activation rows of a block (wgmma's N),
+# with its activation ring depth; K a stage, weight rows a block, raw stages in flight and their bytes (codes + scales)
+WQ_RA = {16: 4, 32: 4, 64: 4}
+WQ_NB = tuple(WQ_RA)
+WQ_K, WQ_ROWS, WQ_RW = 256, 64, 8
+WQ_RAW = WQ_ROWS * (WQ_K // 2 + WQ_K // BLOCK)
+F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
+
+
+def wg_smem_bytes(bn: int) -> int:
+    """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
+    return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
+
+
+def wq_shape(spec: ModelSpec) -> bool:
+    """Whether any layer linear of this shape can run gemm_wq (K a multiple of WQ_K: qkv and gate_up read the hidden
+    size, o the query width; down only after a gate_up on it): the kernels are emitted only then (nvcc time)."""
+    return spec.hidden % WQ_K == 0 or spec.q_dim % WQ_K == 0
+
+
+def wq_smem_bytes(nb: int) -> int:
+    """Dynamic shared memory of gemm_wq<nb>: the consumers' reduction, the activation and raw rings, 1 KB to
+    align them for the 128-byte swizzle, barriers."""
+    return nb * 256 + WQ_RA[nb] * nb * WQ_K * 2 + WQ_RW * WQ_RAW + 1024 + 8 * 2 * (WQ_RW + WQ_RA[nb])
+
+
+@dataclass
+class _Lin:
+    name: str
+    fmt: str
+    n: int
+    k: int
+
+    def weight_args(self) -> list[dict]:
+        if self.fmt == "nvfp4":
+            return [ptr(self.name + ".codes"), ptr(self.name + ".scales"), ptr(self.name + ".tscale")]
+        return [ptr(self.name)]
+
+    def reads(self) -> list[tuple[str, int]]:
+        if self.fmt == "nvfp4":
+            return [(self.name + ".codes", self.n * self.k // 2), (self.name + ".scales", self.n * self.k // BLOCK),
+                    (self.name + ".tscale", 4)]
+        return [(self.name, self.n * self.k * 2)]
+
+
+def ptr(name: str | None, offset=0) -> dict:
+    return {"ptr": name} if offset == 0 else {"ptr": name, "offset": offset}
+
+
+def i32(v) -> dict:
+    return {"i32": v}
+
+
+def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int = 64) -> dict:
+    """A TMA descriptor argument: buffer `name` as a row-major [rows, cols] matrix of `dtype`, read in
+    [box_rows, box_cols] boxes: 16-bit with the 128-byte swizzle (64 columns), u8 unswizzled
+    (runtime/cuda_program.py builds it at bind time)."""
+    return {"tmap": {"ptr": name, "dtype": dtype, "rows": rows, "cols": cols, "box_rows": box_rows,
+                     "box_cols": box_cols}}
+
+
+def ev(v, rows: int, dec_max: int | None = None) -> int:
+    """A value at `rows` (reads and writes are counted at the phase's full size; decode rows riding in a prefill
+    phase at most dec_max)."""
+    return evaluate(v, {"rows": rows, "prows": rows, "dec": min(rows, dec_max or rows)})
+
+
+def rows_div(rows, d: int):
+    """ceil(rows / d) for rows an int or a plain symbol ({"sym": name})."""
+    return {"sym": rows["sym"], "ceil_div": d} if isinstance(rows, dict) else -(-rows // d)
+
+
+@dataclass
+class _Emitter:
+    """Records the launches of one phase."""
+    pdl: bool
+    launches: list[Launch] = field(default_factory=list)
+    no_pdl_next: bool = False       # the next launch waits for its predecessor to finish (see decode's attention)
+
+    def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        pdl, self.no_pdl_next = self.pdl and not self.no_pdl_next, False
+        self.launches.append(Launch(kernel, grid, block, smem, pdl and kernel.startswith(PDL_KERNELS),
+                                    tuple(args), tuple((b, int(n)) for b, n in reads if n),
+                                    tuple((b, int(n)) for b, n in writes if n)))
+
+
+class LinearLaunches:
+    """ProgramBuilder's linear layers (a mixin: it reads the builder's spec, formats, target, options, buffers and
+    the phase being built: rows_max, wg_layers, wq, MB)."""
+
+    def default_gemv_rows(self) -> int:
+        """Decode batches up to this many rows on the GEMV, by measurement on the H200 (BENCHMARKS.md):
+        - where Hopper's NVFP4 decode GEMM takes every layer linear (K a multiple of 256): 4 rows for hidden sizes
+          of 4096 and up (8B, batch 8: 1800 tok/s on the GEMM against 1652 on the GEMV), else 8 (Qwen3-0.6B shape:
+          batch 8 6319 on the GEMV against 5934, batch 16 10871 on the GEMM against 10225);
+        - else, against the wgmma GEMM over the fp16 copies: 8 rows for hidden 4096 and up (2370 against 2252 tok/s
+          at 16 rows), 16 below (0.6B 10.5k against 6.4k, SmolLM2 16.2k against 8.6k)."""
+        big = self.spec.hidden >= 4096
+        if self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4" and all(
+                k % WQ_K == 0 for name, (n, k) in self.linear_shapes() if self.formats[name] == "nvfp4"):
+            return 4 if big else 8
+        return 8 if self.wg_mode == "copy" and big else 16
+
+    def linear_shapes(self) -> list[tuple[str, tuple[int, int]]]:
+        return [(name, shape) for name, shape in self.spec.tensor_shapes().items()
+                if name.startswith("layers.") and len(shape) == 2]
+
+    def lin(self, name: str) -> _Lin:
+        n, k = self.spec.tensor_shapes()[name]
+        return _Lin(name, self.formats[name], n, k)
+
+    def gated_wgmma(self, lin: _Lin) -> bool:
+        """gate_up on the wgmma GEMM from an expanded NVFP4 copy: the GEMM's epilogue applies act(gate) * up."""
+        return self.wg_layers and lin.fmt == "nvfp4"
+
+    def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+        """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
+        operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
+        Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations."""
+        m = ev(rows, self.rows_max, self.MB)
+        out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
+        if lin.fmt == "nvfp4":
+            wbuf = lin.name + ".f16"
+            if self.wg_mode == "dequant":
+                wbuf = "wdq"
+                self.dequant(e, lin, wbuf)
+            dtype, tscale, unscale = "f16", ptr(lin.name + ".tscale"), F16_NVFP4_UNSCALE
+            reads = [(wbuf, lin.n * lin.k * 2), (lin.name + ".tscale", 4)]
+        else:
+            wbuf, dtype, tscale, unscale = lin.name, "bf16", ptr(None), 1.0
+            reads = lin.reads()
+        # the wider tile where it still gives every SM a block at the chunk's full size; phases of one or two
+        # row tiles (short chunks, decode batches past the GEMV, mixed steps) take the width whose waves of blocks
+        # carry the fewest columns a block (ties to the wider: gate_up at 128 rows runs 384 64-column tiles in 3
+        # waves rather than 192 128-column ones in 2), and split K so the grid (at most one block per SM: the
+        # splits wait on each other) fills the GPU
+        rtiles = -(-self.rows_max // WG_TILE_M)
+        bn = 256 if -(-lin.n // 256) * rtiles >= self.sm_count else 128
+        if self.rows_max <= WG_MID_CHUNK:     # the width with the least work a block wave (waves x width)
+            bn = min((256, 128, 64), key=lambda w: -(-(-(-lin.n // w) * rtiles) // self.sm_count) * w)
+        tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
+        if self.rows_max <= WG_MID_CHUNK:
+            splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // (tiles * rtiles)))
+        part = tiles * rtiles * bn * 512        # the split-K partial sums: 128 x bn floats a tile
+        if splits > 1:
+            split_args = [ptr("wg_ws"), ptr("wg_flags")]
+            reads += [("wg_ws", part), ("wg_flags", tiles * rtiles * 4)]
+        kern = f"gemm_wg{bn}_{dtype}"
+        self.kernel_smem[kern] = wg_smem_bytes(bn)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
+        e.add(kern, (tiles, rows_div(rows, WG_TILE_M), splits),
+              (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
+                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
+              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
+              [(out, out_bytes)] + ([("wg_ws", part), ("wg_flags", tiles * rtiles * 4)] if splits > 1 else []),
+              smem=wg_smem_bytes(bn))
+
+    def wq_ok(self, lin: _Lin) -> bool:
+        """This decode step's layer linear on gemm_wq (NVFP4 read as stored): a Hopper decode batch past the
+        GEMV's rows, up to the largest NB, K a multiple of WQ_K (the scales' TMA rows then 16-byte aligned)."""
+        if not (self.wq and lin.fmt == "nvfp4" and lin.k % WQ_K == 0 and lin.name.startswith("layers.")):
+            return False
+        if lin.name.endswith(".down"):      # its input (XF_F16W) comes from gate_up's epilogue on the same GEMM
+            return self.wq_ok(self.lin(lin.name[:-len("down")] + "gate_up"))
+        return True
+
+    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
+        the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
+        / XF_F16W."""
+        m = ev(rows, self.rows_max, self.MB)
+        nb = next(x for x in WQ_NB if x >= self.rows_max)
+        gated = mode >= 2
+        tiles = -(-(lin.n // 2) // (WQ_ROWS // 2)) if gated else -(-lin.n // WQ_ROWS)
+        ytiles = -(-self.rows_max // nb)
+        # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
+        splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
+        part = tiles * ytiles * nb * WQ_ROWS * 4
+        box = WQ_ROWS // 2 if gated else WQ_ROWS
+        out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
+        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else [])
+        writes = [(out, out_bytes)]
+        split_args = [ptr(None), ptr(None)]
+        if splits > 1:
+            split_args = [ptr("wg_ws"), ptr("wg_flags")]
+            reads += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
+            writes += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
+        kern = f"gemm_wq{nb}"
+        self.kernel_smem[kern] = wq_smem_bytes(nb)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
+        e.add(kern, (tiles, rows_div(rows, nb), splits), (384,),
+              [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
+               tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
+               ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
+               *split_args], reads, writes, smem=wq_smem_bytes(nb))
+
+    def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
+        """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's
+        rows interleaved in groups of 8 for the gated epilogue."""
+        blocks = lin.n * lin.k // BLOCK
+        interleave = lin.n // 2 if lin.name.endswith(".gate_up") else 0
+        e.add("dequant_nvfp4_f16", (min(-(-blocks // 256), 8 * self.sm_count),), (256,),
+              [ptr(lin.name + ".codes"), ptr(lin.name + ".scales"), ptr(out), {"u64": blocks}, i32(lin.k // BLOCK),
+               i32(interleave)],
+              [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
+
+    def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
+               nb: int = 0) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
+        GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
+        if self.wq_ok(lin):
+            return self.linear_wq(e, a, lin, out, rows, mode)
+        if self.wg_layers and lin.name.startswith("layers."):
+            return self.linear_wgmma(e, a, lin, out, rows, mode)
+        m = ev(rows, self.rows_max, self.MB)
+        reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
+        writes = [(out, m * lin.n * 4)]
+        if planes:
+            kern = f"gemv_{lin.fmt}_nb{nb}"
+            e.add(kern, ((lin.n + 15) // 16,), (256,),
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes)
+            return
+        gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
+        gy = rows_div(rows, GEMM_TILE_M)
+        splits = 1
+        if split_k:     # enough blocks for two waves; a symbolic chunk is split for its full size
+            ktiles = (lin.k + GEMM_TILE_K - 1) // GEMM_TILE_K
+            splits = max(1, min(ktiles // 2, (2 * self.sm_count) // (gx * ev(gy, self.rows_max))))
+        if splits > 1:
+            if mode == 0:      # the atomic split-K adds into out: zero it first
+                e.add("fill_f32", (min(1024, (m * lin.n + 255) // 256),), (256,),
+                      [ptr(out), {"u64": m * lin.n}, {"f32": 0.0}], [], [(out, m * lin.n * 4)])
+            mode = 2
+        kern = "gemm_nvfp4_f16" if lin.fmt == "nvfp4" else "gemm_bf16"
+        e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
+                                               i32(lin.k), i32(mode)], reads, writes)
+
+    def norm_fused(self, lin: _Lin, dec: bool, nb: int) -> bool:
+        """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its
+        prologue (templates/gemv.cu.j2 *_norm_nb1, emitted for hidden sizes whose planes fit 32 KB), where its
+        blocks fit one wave (two an SM): each block pays the prologue, so over several waves it costs more
+        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%)."""
+        h = self.spec.hidden
+        cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
+        return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
+                and -(-cols // 16) <= 2 * self.sm_count)
+
+    def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
+        h = self.spec.hidden
+        cols = lin.n // 2 if gated else lin.n
+        e.add(f"gemv_{'gated_' if gated else ''}nvfp4_norm_nb1", ((cols + 15) // 16,), (256,),
+              [ptr("x"), ptr(norm), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(1), i32(mode)],
+              lin.reads() + [("x", h * 4), (norm, h * 4)],
+              [(out, 2 * cols * 2 if gated else cols * 4)])
