@@ -40,10 +40,10 @@ class CompileOptions:
     max_batch: int = 64
     name: str | None = None          # served model name (default: the checkpoint's file or folder name)
     gemv_max_rows: int | None = None   # decode batches up to this many rows run the GEMV, larger the GEMM (None:
-                                       # by the shape, impc/launches.py)
+                                       # by the shape, impc/launch_linear.py)
     pdl: bool = True                 # programmatic dependent launch in the decode graphs
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
-    prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/launches.py)
+    prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/arena_layout.py)
     decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
     gpu_penalties: bool = False      # repetition / presence / frequency penalties on the GPU (impc/launches.py)
 

@@ -41,7 +41,7 @@ def fmt_gib(n: float) -> str:
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
                 max_context: int | None, max_batch: int, prefill_weights: str = "auto",
                 gpu_penalties: bool = False) -> dict:
-    """The device arena of each target: weights, scratch and step buffers (impc/launches.py lays them out),
+    """The device arena of each target: weights, scratch and step buffers (impc/arena_layout.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages."""
     from impc.arena_layout import fixed_arena_bytes, prefill_weights_mode, rows_for
     if max_batch < 1:
