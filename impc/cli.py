@@ -226,7 +226,7 @@ def cmd_inspect(a) -> int:
         if cal.get("widened"):
             print(f"         kept in bf16 by the byte budget: {', '.join(cal['widened'])}")
     for fmt in ("nvfp4", "bf16"):
-        errs = [e["rel_rms"] for e in by_fmt.get(fmt, [])]
+        errs = [e["rel_rms"] for e in by_fmt.get(fmt, []) if "rel_rms" in e]   # (none: synthetic weights)
         if errs:
             print(f"         {fmt} error ||W-Q||/||W||: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
     for line in describe(m["plan"]):
@@ -239,7 +239,7 @@ def cmd_inspect(a) -> int:
         size = (b.path / rel).stat().st_size
         print(f"file     {rel:28s} {size / 2**20:9.2f} MiB  sha256 {digest[:16]}")
     print(f"build    imp {m['build']['imp_version']}, source {m['build']['source']} "
-          f"(sha256 {m['build']['checkpoint_sha256'][:16]}), nvcc {(m['build']['compiler'] or {}).get('nvcc', '-')}")
+          f"(sha256 {(m['build']['checkpoint_sha256'] or '-')[:16]}), nvcc {(m['build']['compiler'] or {}).get('nvcc', '-')}")
     return 0
 
 

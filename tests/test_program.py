@@ -177,3 +177,27 @@ def test_non_editable_install_compiles(tmp_path, gpu_bundle_dir):
                         "-q", "--no-calib"], capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_bundle(out).program("sm_90a").phases
+
+
+def test_inspect_a_synthetic_bundle(tmp_path):
+    """`impc inspect` of a synthetic bundle (weights made on the GPU: no quantization error measured, no checkpoint
+    hash) prints its summary and program, no traceback."""
+    from impc.emit import nvcc_path
+    from impc.errors import CompileError
+    try:
+        nvcc_path()
+    except CompileError as e:
+        pytest.skip(str(e))
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
+                               "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                               "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+                               "tie_word_embeddings": True, "hidden_act": "silu"}))
+    out = tmp_path / "syn"
+    r = impc("compile", "--synthetic", str(cfg), "-o", str(out), "--target", "sm_90a", "--vram", "2", "-q")
+    assert r.returncode == 0, r.stderr
+    for args in ((), ("--program",)):
+        r = impc("inspect", str(out), *args)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "gemm_wq16" in r.stdout          # every layer K a multiple of 256: decode past the GEMV on the NVFP4 GEMM
