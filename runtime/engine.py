@@ -188,18 +188,10 @@ class Generation:
                 logits = self.sampler.penalise(logits)
             seed, pos = self.params.seed, len(self.prompt_ids) + len(self.out)
             tok, scored = choose(logits, self.params, self.sampler.rng if seed is None else step_rng(seed, pos)), logits
-            self._count(tok)
         return self._event(tok, scored)
 
     def on_token(self, tok: int) -> TokenEvent:
-        self._count(tok)
         return self._event(tok, None)
-
-    def _count(self, tok: int) -> None:
-        """A token sampled outside the host sampler joins its counts (the penalties' history: a preempted
-        request's device state is rebuilt from them)."""
-        if self.penalised:
-            self.sampler.out_counts[tok] = self.sampler.out_counts.get(tok, 0) + 1
 
     def _event(self, tok: int, scored: np.ndarray | None) -> TokenEvent:
         self.record(tok)
@@ -213,6 +205,9 @@ class Generation:
         says (an end-of-sequence or stop token, the token budget); `describe` may also end it on a stop
         string or a finished constraint (a constrained request samples on the host: never pipelined)."""
         self.out.append(tok)
+        if self.penalised and not self.host_sampled:    # (the host sampler counts its own draws)
+            # the penalties' history: a preempted request's device state is rebuilt from these counts
+            self.sampler.out_counts[tok] = self.sampler.out_counts.get(tok, 0) + 1
         if self.constraint:
             self.constraint.advance(tok)
         return tok in self.stop_ids or len(self.out) == self.budget

@@ -122,12 +122,14 @@ def test_device_penalties_give_the_host_samplers_tokens(make, pipeline):
     assert plain[0] != ref[1] and plain[1] != ref[2]
 
 
-def test_device_penalties_survive_preemption(make):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_device_penalties_survive_preemption(make, pipeline):
     """A KV pool too small for all: the newest requests are preempted and recomputed; each comes back in a new
-    sequence whose penalty state is written again from the host's counts (a second init for that request)."""
+    sequence whose penalty state is written again from the host's counts (a second init for that request), which
+    must hold every token drawn so far, also where a pipelined step's tokens are only recorded, not described."""
     cases = list(zip(prompts(5, 30, seed=3), [BOTH, REP, FREQ, BOTH, REP]))
     ref = serve(make(False, kv_tokens=160), cases)
-    eng = make(True, kv_tokens=160)
+    eng = make(True, pipeline, kv_tokens=160)
     got = serve(eng, cases)
     assert eng.scheduler.preemptions > 0
     assert got == ref
