@@ -80,7 +80,8 @@ class CudaExecutor:
         # several sequences' chunks in one prefill call (bundles compiled before it: one, and no tile table)
         self.max_segments = c.get("max_segments", 1)
         self.mixed_steps = "dec" in p.symbols       # prefill phases that carry decode rows
-        self.penalties_on_device = "pen_counts" in p.buffers    # compiled with --gpu-penalties
+        self.penalty_values = "pen_counts" in p.buffers         # compiled with --gpu-penalties: the step applies
+        self.penalties_on_device = self.penalty_values          # each row's (a caller may leave them to the host)
         self.fa_qtile, self.fa_tile_ints = c.get("fa_query_tile", 128), c.get("fa_tile_ints", 8)
         self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes())
         for name, nbytes in p.kernel_smem.items():
@@ -144,7 +145,7 @@ class CudaExecutor:
         """The device's penalty state of sid, before its first step with penalties (and again after a preemption,
         in a new sequence): the prompt's tokens `seen` and the generated ones' counts (bundles compiled with
         --gpu-penalties)."""
-        if not self.penalties_on_device:
+        if not self.penalty_values:
             raise RuntimeError("this bundle samples penalties on the host (compile with --gpu-penalties)")
         seq = self._seqs[sid]
         bits = np.zeros(-(-self.vocab // 32), np.uint32)
@@ -307,13 +308,13 @@ class CudaExecutor:
             st["min_p"][i] = p.min_p if p else 0.0
             st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
             st["step"][i] = r.position
-            if self.penalties_on_device:
+            if self.penalty_values:       # every row's, whoever applies them (a host-sampled row: params None, none)
                 rep, pres, freq = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) if p else (1.0, 0.0, 0.0)
                 if (rep != 1.0 or pres != 0.0 or freq != 0.0) and not seq.penalties:
                     raise ValueError(f"sequence {r.sid} samples with penalties before init_penalties")
                 st["repetition_penalty"][i], st["presence_penalty"][i], st["frequency_penalty"][i] = rep, pres, freq
         pads = [("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1), ("temperature", 0.0)]
-        if self.penalties_on_device:
+        if self.penalty_values:
             pads += [("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
         for name, pad in pads:      # padding rows: the padding slot and page, greedy, no penalties
             st[name][n:b] = pad
