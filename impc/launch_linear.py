@@ -29,12 +29,22 @@ WQ_RA = {16: 4, 32: 4, 64: 4}
 WQ_NB = tuple(WQ_RA)
 WQ_K, WQ_ROWS, WQ_RW = 256, 64, 8
 WQ_RAW = WQ_ROWS * (WQ_K // 2 + WQ_K // BLOCK)
+WG_THREADS = 384         # gemm_wg and gemm_wq: a producer warpgroup and two consumers (rendered into both)
 F16_NVFP4_UNSCALE = 2.0 ** 20    # NVFP4 expanded to fp16 holds q * s * 2^-14, its XF_F16 activations x * 2^-6
 
 
 def wg_smem_bytes(bn: int) -> int:
     """Dynamic shared memory of gemm_wg<bn>: the ring, 1 KB to align it for the 128-byte swizzle, barriers."""
     return WG_STAGES[bn] * (WG_TILE_M + bn) * WG_TILE_K * 2 + 1024 + 256
+
+
+def split_k_buffers(splits: int, tiles: int, part: int) -> tuple[list[dict], list[tuple[str, int]]]:
+    """The split-K workspace of a wgmma GEMM launch (its splits add up in turn: templates/gemm_wgmma.cu.j2): its two
+    arguments (the partial sums `part` bytes, a turn flag a tile; null pointers for one split) and the bytes of each
+    it reads and writes."""
+    if splits == 1:
+        return [ptr(None), ptr(None)], []
+    return [ptr("wg_ws"), ptr("wg_flags")], [("wg_ws", part), ("wg_flags", tiles * 4)]
 
 
 def wq_shape(spec: ModelSpec) -> bool:
@@ -165,22 +175,19 @@ class LinearLaunches:
         bn = 256 if -(-lin.n // 256) * rtiles >= self.sm_count else 128
         if self.rows_max <= WG_MID_CHUNK:     # the width with the least work a block wave (waves x width)
             bn = min((256, 128, 64), key=lambda w: -(-(-(-lin.n // w) * rtiles) // self.sm_count) * w)
-        tiles, splits, split_args = -(-lin.n // bn), 1, [ptr(None), ptr(None)]
+        tiles, splits = -(-lin.n // bn), 1
         if self.rows_max <= WG_MID_CHUNK:
             splits = max(1, min(-(-lin.k // WG_TILE_K) // 4, self.sm_count // (tiles * rtiles)))
-        part = tiles * rtiles * bn * 512        # the split-K partial sums: 128 x bn floats a tile
-        if splits > 1:
-            split_args = [ptr("wg_ws"), ptr("wg_flags")]
-            reads += [("wg_ws", part), ("wg_flags", tiles * rtiles * 4)]
+        # the split-K partial sums: 128 x bn floats a tile
+        split_args, ws = split_k_buffers(splits, tiles * rtiles, tiles * rtiles * bn * 512)
         kern = f"gemm_wg{bn}_{dtype}"
         self.kernel_smem[kern] = wg_smem_bytes(bn)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
         e.add(kern, (tiles, rows_div(rows, WG_TILE_M), splits),
-              (384,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out), tscale,
-                       {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
-              reads + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
-              [(out, out_bytes)] + ([("wg_ws", part), ("wg_flags", tiles * rtiles * 4)] if splits > 1 else []),
-              smem=wg_smem_bytes(bn))
+              (WG_THREADS,), [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), tmap(wbuf, dtype, lin.n, lin.k, bn), ptr(out),
+                              tscale, {"f32": unscale}, i32(rows), i32(lin.n), i32(lin.k), i32(mode), *split_args],
+              reads + ws + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []),
+              [(out, out_bytes)] + ws, smem=wg_smem_bytes(bn))
 
     def wq_ok(self, lin: _Lin) -> bool:
         """This decode step's layer linear on gemm_wq (NVFP4 read as stored): a Hopper decode batch past the
@@ -202,20 +209,15 @@ class LinearLaunches:
         ytiles = -(-self.rows_max // nb)
         # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
         splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
-        part = tiles * ytiles * nb * WQ_ROWS * 4
+        split_args, ws = split_k_buffers(splits, tiles * ytiles, tiles * ytiles * nb * WQ_ROWS * 4)
         box = WQ_ROWS // 2 if gated else WQ_ROWS
         out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
-        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else [])
-        writes = [(out, out_bytes)]
-        split_args = [ptr(None), ptr(None)]
-        if splits > 1:
-            split_args = [ptr("wg_ws"), ptr("wg_flags")]
-            reads += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
-            writes += [("wg_ws", part), ("wg_flags", tiles * ytiles * 4)]
+        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []) + ws
+        writes = [(out, out_bytes)] + ws
         kern = f"gemm_wq{nb}"
         self.kernel_smem[kern] = wq_smem_bytes(nb)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (tiles, rows_div(rows, nb), splits), (384,),
+        e.add(kern, (tiles, rows_div(rows, nb), splits), (WG_THREADS,),
               [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
                tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
                ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),

@@ -154,8 +154,7 @@ class CudaExecutor:
             raise ValueError(f"penalty tokens must lie in 0..{self.vocab - 1}")
         np.bitwise_or.at(bits, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
         row = np.zeros(self.vocab, np.int32)
-        for tok, c in counts.items():
-            row[tok] = c
+        row[np.fromiter(counts, np.int64, len(counts))] = np.fromiter(counts.values(), np.int32, len(counts))
         htod(self.arena.ptr("pen_seen", seq.slot * bits.nbytes), bits.view(np.int32), self.stream)
         htod(self.arena.ptr("pen_counts", seq.slot * row.nbytes), row, self.stream)
         seq.penalties = True
