@@ -57,7 +57,7 @@ def _add_compile(sub) -> None:
     p.add_argument("--gpu-penalties", action="store_true",
                    help="apply repetition / presence / frequency penalties on the GPU, before its sampler (per-"
                         "sequence token counts kept on the device); without it such requests are sampled on the "
-                        "host, their logits copied back each step (default off: not yet measured on a GPU)")
+                        "host, their logits copied back each step (default off: its served cost not yet measured)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
