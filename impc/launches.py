@@ -38,10 +38,27 @@ class ProgramOptions:
                                     # (nvfp4) or the fp16 copies (fp16)
     gpu_penalties: bool = False     # repetition / presence / frequency penalties applied on the GPU before sampling
                                     # (per-sequence token counts on the device); off: the host samples such rows
+    prefill_attention: str = "wgmma"  # Hopper prefill attention: warpgroup MMA (wgmma, head dims that are multiples of
+                                      # 64) or mma.sync (mma; always used elsewhere)
 
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
-                "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties}
+                "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
+                "prefill_attention": self.prefill_attention}
+
+
+def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
+    """The blocks of attn_prefill_wg (templates/attn_prefill_wgmma.cu.j2), Hopper's wgmma prefill attention, or
+    None where it does not apply (not sm_90, or a head dim that is not a multiple of 64 up to 256): 2 warpgroups
+    of 64 query rows, key tiles of 128 (64 above head dim 128: the O accumulators take twice the registers),
+    the Q tile and two stages of K and V, 1024 bytes for the swizzle atoms' alignment."""
+    if target["compute_capability"][0] != 9 or head_dim % 64 or head_dim > 256:
+        return None
+    qt, kt = 128, 128 if head_dim <= 128 else 64
+    smem = (qt + 4 * kt) * head_dim * 2 + 1024
+    if smem > target["smem_per_block_bytes"]:
+        return None
+    return {"emit": True, "threads": 256, "qt": qt, "kt": kt, "smem": smem}
 
 
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
@@ -66,11 +83,16 @@ class ProgramBuilder(LinearLaunches):
         self.max_seqs = plan["max_sequences"]
         self.R, self.MB = rows_for(self.chunk, self.max_batch)
         self.sm_count = target["sm_count"]
-        self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim, target["smem_per_block_bytes"])
+        fw = fa_wg_geometry(spec.head_dim, target) if options.prefill_attention == "wgmma" else None
+        if fw:
+            self.fa_kernel, self.fa_threads, self.fa_qt, self.fa_smem = "attn_prefill_wg", fw["threads"], fw["qt"], fw["smem"]
+        else:
+            self.fa_kernel = "attn_prefill_f16"
+            self.fa_threads, self.fa_qt, self.fa_smem = fa_geometry(spec.head_dim, target["smem_per_block_bytes"])
         self.wg_mode = t.get("prefill_weights", "none")
         if self.gemv_rows is None:
             self.gemv_rows = self.default_gemv_rows()
-        self.kernel_smem = {"attn_prefill_f16": self.fa_smem}
+        self.kernel_smem = {self.fa_kernel: self.fa_smem}
         self.buffers: dict[str, Buffer] = {}
 
     # ------------------------------------------------------------------ arena
@@ -270,7 +292,7 @@ class ProgramBuilder(LinearLaunches):
                     ptr("q", after_dec), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables", bt_row),
                     i32({"sym": "start"}), i32(prows), i32(window), ptr("attn", after_dec), i32(ofmt),
                     ptr("fa_partial" if split else None), i32(FA_KV_SPLIT), ptr(None)]
-            e.add("attn_prefill_f16", grid, (self.fa_threads,), args,
+            e.add(self.fa_kernel, grid, (self.fa_threads,), args,
                   [("q", chunk * s.q_dim * 2)] + ([("fa_tiles", self.buffers["fa_tiles"].bytes)] if many else []),
                   [("attn", chunk * s.q_dim * 2)] + ([("fa_partial", part)] if split else []), smem=self.fa_smem)
             if split:

@@ -5,7 +5,8 @@ cuBLAS) on the same shapes in the same process. Needs torch with CUDA (the GPU m
 For every linear shape of the model (qkv, o, gate_up, down) at each M: the wgmma GEMM (templates/
 gemm_wgmma.cu.j2) on fp16 operands, the NVFP4 -> fp16 expansion it runs before (dequant_nvfp4_f16), the
 mma.sync GEMM it replaces (gemm_nvfp4_f16, templates/gemm.cu.j2), and cuBLAS bf16. Medians of --runs timed
-repetitions (CUDA events). Checks first: the expansion against runtime/nvfp4.py's exact dequantization, and
+repetitions (CUDA events); o and down add into their float32 output as the model's residual adds do (mode 1), and
+each wgmma repetition alternates with a cuBLAS one, so both columns see the same clocks. Checks first: the expansion against runtime/nvfp4.py's exact dequantization, and
 each wgmma tile shape against torch's float32 product (ragged M, K not a multiple of 64, mode 1 adds).
 
 Usage: scripts/bench_gemm.py BUNDLE [--m 512,4096] [--runs 5] [--cubin FILE]
@@ -64,17 +65,27 @@ def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn: int, mod
 
 def timed(fn, runs: int) -> float:
     """Median milliseconds of fn() over `runs` timed repetitions (after a warm-up)."""
-    fn()
+    return timed_pair(fn, None, runs)[0]
+
+
+def timed_pair(fn, ref, runs: int) -> tuple[float, float]:
+    """Median milliseconds of fn() and of ref() (None: fn alone), their repetitions alternating so both see the same
+    clock and power state (GEMMs of one call differed by 10% from one shape's runs to the next, cuBLAS's too)."""
+    fns = [f for f in (fn, ref) if f is not None]
+    for f in fns:
+        f()
     torch.cuda.synchronize()
-    out = []
+    out = [[] for _ in fns]
     for _ in range(runs):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        out.append(e0.elapsed_time(e1))
-    return statistics.median(out)
+        for f, o in zip(fns, out):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            f()
+            e1.record()
+            torch.cuda.synchronize()
+            o.append(e0.elapsed_time(e1))
+    med = [statistics.median(o) for o in out]
+    return med[0], (med[1] if ref is not None else float("nan"))
 
 
 def checks(mod, stream) -> list[str]:
@@ -150,9 +161,16 @@ def main() -> int:
             ts = torch.ones(1, device="cuda")
             flop = 2.0 * m * n * k
             res = {"gemm": name, "M": m, "N": n, "K": k}
+            # o and down add into the float32 residual in the model (mode 1), qkv stores (mode 0); each against cuBLAS
+            # in alternation (its column: the median of these runs)
+            mode = 1 if name in ("o", "down") else 0
+            cub = []
             for bn in (128, 256):
-                ms = timed(lambda: wg_gemm(mod, a16, w16, c, bn, stream=stream), args.runs)
+                ms, ref_ms = timed_pair(lambda: wg_gemm(mod, a16, w16, c, bn, mode=mode, stream=stream),
+                                        lambda: torch.matmul(ab, wb.T), args.runs)
                 res[f"wg{bn}_ms"], res[f"wg{bn}_tflops"] = ms, flop / ms / 1e9
+                cub.append(ref_ms)
+            res["mode"] = mode
             if name == "gate_up":      # the prefill's gate_up: act(gate) * up in the epilogue, fp16 out (mode 2)
                 g = torch.empty((m, n // 2), dtype=torch.float16, device="cuda")
                 ms = timed(lambda: wg_gemm(mod, a16, w16, g, 256, mode=2, stream=stream), args.runs)
@@ -163,15 +181,15 @@ def main() -> int:
             ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
                                       [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)
             res["mma_sync_ms"], res["mma_sync_tflops"] = ms, flop / ms / 1e9
-            ms = timed(lambda: torch.matmul(ab, wb.T), args.runs)
+            ms = statistics.median(cub)
             res["cublas_ms"], res["cublas_tflops"] = ms, flop / ms / 1e9
             rows.append(res)
             print(json.dumps(res), flush=True)
-    print("\n| GEMM | M | N | K | wgmma 128 | wgmma 256 | wgmma 256 gated | dequant (GB/s) | mma.sync | cuBLAS bf16 |")
+    print("\n| GEMM (mode) | M | N | K | wgmma 128 | wgmma 256 | wgmma 256 gated | dequant (GB/s) | mma.sync | cuBLAS bf16 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         gated = f"{r['gated_tflops']:.0f}" if "gated_tflops" in r else "-"
-        print(f"| {r['gemm']} | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | {gated} | "
+        print(f"| {r['gemm']} ({r['mode']}) | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | {gated} | "
               f"{r['dequant_ms'] * 1e3:.0f} us ({r['dequant_gbs']:.0f}) | {r['mma_sync_tflops']:.0f} | "
               f"{r['cublas_tflops']:.0f} |")
     print("(TFLOP/s; medians of", args.runs, "runs)")

@@ -612,10 +612,10 @@ def test_attn_decode(ex, layer, b):
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("start,t", [(0, 70), (40, 70), (100, 130), (0, 5), (700, 20), (1500, 100), (1024, 128)])
 def test_attn_prefill(ex, layer, start, t):
-    """attn_prefill_f16 over a chunk after a cached prefix (start > 0), through the sequence's block table, in
-    every prefill phase that holds the chunk; the phase of one row tile (Hopper) splits the keys over blocks,
-    ceil(start / 512) + 1 splits, and attn_prefill_merge adds them up; the largest phase reads the chunk from its
-    tile table."""
+    """attn_prefill_f16 (on Hopper attn_prefill_wg, for head dims that are multiples of 64) over a chunk after a
+    cached prefix (start > 0), through the sequence's block table, in every prefill phase that holds the chunk;
+    the phase of one row tile (Hopper) splits the keys over blocks, ceil(start / 512) + 1 splits, and
+    attn_prefill_merge adds them up; the largest phase reads the chunk from its tile table."""
     from imp_runtime.executor_cpu import attention
     s, rng = ex.spec, np.random.default_rng(7 + start)
     buckets = [b for b in ex.prefill_buckets if b >= t]
@@ -628,7 +628,10 @@ def test_attn_prefill(ex, layer, start, t):
     v = f16_round(rng.standard_normal((total, s.n_kv_heads, s.head_dim)).astype(np.float32))
     q = f16_round(rng.standard_normal((t, s.n_heads, s.head_dim)).astype(np.float32) * 2)
     for bucket in buckets:
-        i, x = find(ex, "prefill", bucket, "attn_prefill_f16", layer % s.n_layers)
+        # Hopper runs the wgmma kernel where the head dim allows (impc/launches.py fa_wg_geometry), else mma.sync
+        kernels = {x.kernel for x in ex.program.phase("prefill", bucket).launches}
+        i, x = find(ex, "prefill", bucket, "attn_prefill_wg" if "attn_prefill_wg" in kernels else "attn_prefill_f16",
+                    layer % s.n_layers)
         write_kv(ex, buf(x, 1), pages, k)
         write_kv(ex, buf(x, 2), pages, v)
         put(ex, buf(x, 0), q.astype(np.float16))

@@ -58,6 +58,8 @@ def test_templates_compile(shape, target):
     symbols = kernel_symbols(cubin)
     from impc.launch_linear import wq_shape
     sm90 = {k for k in EXPECTED_SM90 if wq_shape(spec) or not k.startswith("gemm_wq")}
+    if spec.head_dim % 64 == 0:         # the wgmma prefill attention (templates/attn_prefill_wgmma.cu.j2)
+        sm90.add("attn_prefill_wg")
     assert symbols == set(EXPECTED) | (sm90 if target == "sm_90a" else set())
     formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
                for n, s in spec.tensor_shapes().items()}
@@ -69,6 +71,9 @@ def test_templates_compile(shape, target):
     # output head of a mixed step's decode rows, at the phase's end, reads the head as stored)
     prefill = {x.kernel for x in prog.phase("prefill", prog.constants["prefill_chunk"]).launches
                if any(b.startswith("layers.") for b, _ in x.reads)}
+    attn = {x.kernel for x in prog.phase("prefill", prog.constants["prefill_chunk"]).launches
+            if x.kernel.startswith("attn_prefill_") and x.kernel != "attn_prefill_merge"}
+    assert attn == {"attn_prefill_wg" if target == "sm_90a" and spec.head_dim % 64 == 0 else "attn_prefill_f16"}
     if target == "sm_90a":
         assert any(k.startswith("gemm_wg") for k in prefill) and "gemm_nvfp4_f16" not in prefill
         assert "dequant_nvfp4_f16" in {x.kernel for x in prog.phase("init", 0).launches}
