@@ -29,20 +29,30 @@ class HessianFactor:
     damping: float          # added to H's diagonal
 
 
-def hessian_factor(h: np.ndarray, damp: float = DAMP) -> HessianFactor:
+def hessian_factor(h: np.ndarray, damp: float = DAMP, order: np.ndarray | None = None) -> HessianFactor:
     """Dampen H (and give dead channels, whose weights cannot matter and are zeroed, a unit diagonal),
     then factor it as R R^T (R upper) by a Cholesky in reversed order. GPTQ's usual factor U
-    (H^-1 = U^T U) is R^-1; the loop below uses R itself, so no inverse is needed. h (float64) is
-    modified in place: at 8B a K x K matrix is 1.2 GB, so no more copies than the factorisation needs."""
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    damping = damp * float(np.mean(np.diag(h)))
-    h[np.diag_indices_from(h)] += damping
-    # With J the order reversal and J H J = M M^T (M lower), R = J M J, so R^T = J M^T J.
-    rt = np.linalg.cholesky(h[::-1, ::-1]).T[::-1, ::-1]        # R^T, lower triangular (a view)
+    (H^-1 = U^T U) is R^-1; the loop below uses R itself, so no inverse is needed. With J the order
+    reversal and J H J = M M^T (M lower), R = J M J, so R^T = J M^T J.
+    With order: the factor of H's rows and columns in that order, gathered in reversed order at once
+    (the values LAPACK saw before as a reversed view of the permuted copy: the same bytes, one gather
+    and no copy of the permuted H); h is only read. Without: h (float64) is modified in place (at 8B a
+    K x K matrix is 1.2 GB, so no more copies than the factorisation needs)."""
+    if order is None:
+        g = h[::-1, ::-1]
+    else:
+        rev = order[::-1]
+        g = h.take(rev, 0).take(rev, 1)
+    diag = np.diag(g)[::-1].copy()                  # in order, contiguous: the damping's mean sums as before
+    dead = diag == 0
+    dead_g = dead[::-1]
+    g[dead_g, dead_g] = 1.0
+    diag[dead] = 1.0
+    damping = damp * float(np.mean(diag))
+    g[np.diag_indices_from(g)] += damping
+    rt = np.linalg.cholesky(g).T[::-1, ::-1]                     # R^T, lower triangular (a view)
     r_diag = np.ascontiguousarray(np.diag(rt))
-    feedback = np.ascontiguousarray(rt)
-    feedback /= r_diag[:, None]
+    feedback = np.divide(rt, r_diag[:, None], order="C")        # the contiguous copy and the division in one pass
     return HessianFactor(feedback, r_diag, dead, damping)
 
 
@@ -67,41 +77,47 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     error of layers 0-2 on the calibration data: rounding 0.063, GPTQ 0.037, + act-order 0.0325,
     + scale search 0.031."""
     n, k = w.shape
-    w = pad_k(np.asarray(w, dtype=np.float64)).copy()
+    w = pad_k(np.asarray(w, dtype=np.float64))       # read only: the loop works on a permuted copy
     kp = w.shape[1]
-    h = np.zeros((kp, kp))
-    h[:k, :k] = hessian                             # padded columns are dead inputs
+    if kp == k:
+        h = np.asarray(hessian, dtype=np.float64)     # read only: the factor works on a permuted copy
+    else:
+        h = np.zeros((kp, kp))
+        h[:k, :k] = hessian                         # padded columns are dead inputs
     tscale, scales = nvfp4_scales(w)
+    st = float(tscale[0])
     if scale_search:
-        scales = weighted_scale_search(w, scales, float(tscale[0]), np.diag(h))
-    step = np.repeat(E4M3_VALUES[scales].T.astype(np.float64) * float(tscale[0]), BLOCK, axis=0)   # [Kp, N]
+        scales = weighted_scale_search(w, scales, st, np.diag(h))
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(kp)
-    h, w, step = h.take(order, 0).take(order, 1), w.take(order, 1), step.take(order, 0)
-    f = hessian_factor(h, damp)
-    del h
+    f = hessian_factor(h, damp, order)
     fb = f.feedback
-    w[:, f.dead] = 0.0
+    # The columns in order, transposed, so that a column of W is a contiguous row: [Kp, N] for W, its grid
+    # steps (by table: E4M3 value x tensor scale, and 4 / step, 0 where a block is all zeros: code 0),
+    # codes and errors D (float64 [Kp, N] arrays are few: at 8B, gate_up's is 0.8 GB).
+    wt = w.T[order]
+    wt[f.dead] = 0.0
+    step_of = E4M3_VALUES.astype(np.float64) * st
+    inv4_of = np.where(step_of > 0, 4.0 / np.where(step_of > 0, step_of, 1.0), 0.0)
+    grid = np.ascontiguousarray(scales.T)[order // BLOCK]      # [Kp, N] E4M3 codes
+    step = step_of[grid]
     # GPTQ as error feedback (Babai's nearest plane; Chen et al. 2024): column c is rounded after adding
     # sum_{i<c} (W_i - Q_i) R_ic / R_cc = sum_{i<c} D_i F_ci, the optimal-brain-surgeon update of the
-    # paper written with R (H = R R^T) instead of the inverse's factor. Transposed, so that a column of
-    # W is a contiguous row: [Kp, N] for W, its grid steps, codes and errors D (float64 [Kp, N] arrays
-    # are few: at 8B, gate_up's is 0.8 GB).
-    wt = np.ascontiguousarray(w.T)
-    del w
-    dt = np.zeros_like(wt)
-    codes = np.zeros((kp, n), dtype=np.uint8)
+    # paper written with R (H = R R^T) instead of the inverse's factor.
+    dt = np.empty_like(wt)
+    codes = np.empty((kp, n), dtype=np.uint8)
     seen_error = np.zeros(kp)               # ||rounding error of column c as the loop saw it||^2
+    deq = np.empty(n)
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
         wb = wt[i1:i2] + fb[i1:i2, :i1] @ dt[:i1]       # the earlier blocks' feedback as one product
-        stp = step[i1:i2]
-        # 4 / step (0 where a block is all zeros: code 0): 4 x the old 1 / step, the same products
-        inv4 = np.where(stp > 0, 4.0 / np.where(stp > 0, stp, 1.0), 0.0)
+        inv4 = inv4_of[grid[i1:i2]]
         for c in range(i1, i2):
-            x = wb[c - i1] + fb[c, i1:c] @ dt[i1:c]         # + this block's earlier columns' (one gemv)
-            q = e2m1_codes_of_quarters(x * inv4[c - i1])
+            r = c - i1
+            x = fb[c, i1:c] @ dt[i1:c]                   # + this block's earlier columns' (one gemv)
+            x += wb[r]
+            q = e2m1_codes_of_quarters(x * inv4[r])
             codes[c] = q
-            deq = E2M1_VALUES[q] * step[c]
+            np.multiply(E2M1_VALUES[q], step[c], out=deq)
             np.subtract(wt[c], deq, out=dt[c])
             x -= deq
             seen_error[c] = x @ x

@@ -7,8 +7,9 @@ compile.quantize_stage, which stores each tensor in its chosen format.
 """
 from __future__ import annotations
 
+import ctypes
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -48,8 +49,38 @@ def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray
     would depend on the machine's core count. (On a busy machine one thread is also the faster.)"""
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=1, user_api="blas"):
+    with threadpool_limits(limits=1, user_api="blas"), heap_reuse():
         return _quantize_calibrated(spec, tensors, formats, opts, checkpoint, p)
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+
+@contextmanager
+def heap_reuse(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30):
+    """glibc's malloc serves each array above its mmap threshold (at most 32 MiB) with fresh pages from
+    the kernel and returns them on free, so every large temporary of the calibration forward and the
+    budget's passes ([5632, 3072] float32 products, [512, 49152] logits) was page-faulted and zeroed
+    again: ~550k page faults and ~10 s of system time in a SmolLM2 compile. With a higher mmap
+    threshold and a trim threshold to match, freed blocks are reused from the heap (~200k faults, 5 s
+    less system and ~10 s less user time); afterwards the trim threshold is restored and the heap
+    trimmed (the mmap threshold stays raised: glibc has no call that restores its dynamic default).
+    Allocation only: the values and bytes are the same. Elsewhere than glibc, nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    try:
+        yield
+    finally:
+        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        trim(0)
 
 
 def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],

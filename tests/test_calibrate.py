@@ -199,6 +199,31 @@ def test_gptq_over_several_lazy_blocks_matches_float64_reference_and_reports_its
         assert res.weighted_error == pytest.approx(float(np.trace(d @ hh @ d.T)), rel=1e-6)
 
 
+
+def test_hessian_factor_of_an_order_is_that_of_the_permuted_matrix_and_gptq_leaves_its_inputs():
+    """hessian_factor(h, order) gathers the reversed order itself: bit for bit the factor of H with its
+    rows and columns permuted beforehand (dead channel included), and H is only read; nor does GPTQ
+    change the W and H it is given."""
+    from impc.gptq import gptq_nvfp4_with_error, hessian_factor
+    from tests.test_quantize import correlated_inputs
+
+    rng = np.random.default_rng(12)
+    x = correlated_inputs(rng, 300, 48)
+    x[:, 3] = 0.0
+    h = x.T @ x
+    order = np.argsort(-np.diag(h), kind="stable")
+    h0 = h.copy()
+    a = hessian_factor(h, order=order)
+    assert np.array_equal(h, h0)
+    b = hessian_factor(h[np.ix_(order, order)].copy())
+    assert a.damping == b.damping and np.array_equal(a.dead, b.dead) and a.dead.sum() == 1
+    assert a.feedback.tobytes() == b.feedback.tobytes() and a.r_diag.tobytes() == b.r_diag.tobytes()
+    assert a.feedback.flags.c_contiguous
+    w = rng.standard_normal((7, 48))
+    w0 = w.copy()
+    gptq_nvfp4_with_error(w, h)
+    assert np.array_equal(w, w0) and np.array_equal(h, h0)
+
 # ------------------------------------------------------------------ the byte budget
 
 def tiny_spec():

@@ -170,3 +170,23 @@ def test_not_a_gguf(tmp_path):
     path.write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(CompileError, match="not a readable GGUF"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_fast_dequantize_is_gguf_bit_for_bit(kind):
+    """load_gguf's own Q4_1 / Q8_0 de-quantization against gguf.quants: the same float32 bits."""
+    import gguf
+
+    from impc.load_gguf import _DEQUANTIZE
+
+    rng = np.random.default_rng(5)
+    rows, blocks = 24, 3
+    scales = 2 if kind == "Q4_1" else 1                              # f16 d (and m) before the payload
+    size = 20 if kind == "Q4_1" else 34
+    raw = rng.integers(0, 256, (rows * blocks, size), dtype=np.uint8)
+    f16 = (rng.standard_normal((rows * blocks, scales)) * np.exp(rng.uniform(-12, 4, (rows * blocks, scales))))
+    raw[:, :2 * scales] = f16.astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, blocks * size)
+    ref = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
+    got = _DEQUANTIZE[kind](raw)
+    assert got.size == rows * blocks * 32 and got.tobytes() == ref.reshape(-1).tobytes()
