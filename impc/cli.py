@@ -57,10 +57,11 @@ def _add_compile(sub) -> None:
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
-    p.add_argument("--gpu-penalties", action="store_true",
+    p.add_argument("--gpu-penalties", action=argparse.BooleanOptionalAction, default=True,
                    help="apply repetition / presence / frequency penalties on the GPU, before its sampler (per-"
-                        "sequence token counts kept on the device); without it such requests are sampled on the "
-                        "host, their logits copied back each step (default off: its served cost not yet measured)")
+                        "sequence token counts kept on the device; default on); with --no-gpu-penalties such "
+                        "requests are sampled on the host, their logits copied back each step (8 streams with a "
+                        "frequency penalty served 21%% fewer tokens a second that way, BENCHMARKS.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 

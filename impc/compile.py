@@ -45,7 +45,7 @@ class CompileOptions:
     prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/arena_layout.py)
     decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
-    gpu_penalties: bool = False      # repetition / presence / frequency penalties on the GPU (impc/launches.py)
+    gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
 
     def program_options(self) -> ProgramOptions:

@@ -36,7 +36,7 @@ class ProgramOptions:
                                     # reproducible: sums then depend on arrival order)
     decode_gemm: str = "nvfp4"      # Hopper decode batches past the GEMV: the wgmma GEMM reading NVFP4 as stored
                                     # (nvfp4) or the fp16 copies (fp16)
-    gpu_penalties: bool = False     # repetition / presence / frequency penalties applied on the GPU before sampling
+    gpu_penalties: bool = True      # repetition / presence / frequency penalties applied on the GPU before sampling
                                     # (per-sequence token counts on the device); off: the host samples such rows
     prefill_attention: str = "wgmma"  # Hopper prefill attention: warpgroup MMA (wgmma, head dims that are multiples of
                                       # 64) or mma.sync (mma; always used elsewhere)
@@ -214,8 +214,10 @@ class ProgramBuilder(LinearLaunches):
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
         pen = [ptr("seq_slot"), ptr("repetition_penalty"), ptr("presence_penalty"), ptr("frequency_penalty")]
         if self.opt.gpu_penalties:      # the rows' penalties on their logits, from their sequences' token counts
+            seqs = min(b, self.max_seqs)    # (the tables' rows are sequence slots, whatever the rows)
             e.add("apply_penalties", (rows,), (1024,), [ptr("logits"), *pen, ptr("pen_counts"), ptr("pen_seen")],
-                  [("logits", b * v * 4), ("pen_counts", b * v * 4), ("pen_seen", b * v // 8)], [("logits", b * v * 4)])
+                  [("logits", b * v * 4), ("pen_counts", seqs * v * 4), ("pen_seen", seqs * v // 8)],
+                  [("logits", b * v * 4)])
         e.add("sample_tokens", (rows,), (1024,),
               [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
                ptr("sampled")],

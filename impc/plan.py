@@ -40,10 +40,10 @@ def fmt_gib(n: float) -> str:
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
                 max_context: int | None, max_batch: int, prefill_weights: str = "auto",
-                gpu_penalties: bool = False) -> dict:
+                gpu_penalties: bool = True) -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/arena_layout.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages."""
-    from impc.arena_layout import fixed_arena_bytes, prefill_weights_mode, rows_for
+    from impc.arena_layout import fixed_arena_bytes, penalty_tables, prefill_weights_mode, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
     ctx = max_context or min(spec.max_position, 32768)
@@ -74,11 +74,13 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
         need_pages = max_pages + 1                                           # + the padding page
         if pages < need_pages:
             need = fixed + RESERVE_BYTES + need_pages * page_bytes
+            pen = sum(n for _, _, n in penalty_tables(spec, plan["max_sequences"]).values()) if gpu_penalties else 0
             raise CompileError(
                 f"model does not fit {t['name']}: needs {fmt_gib(need)} (weights {fmt_gib(w_bytes)}, "
                 f"KV for one {ctx}-token sequence {fmt_gib(need_pages * page_bytes)}, scratch "
                 f"{fmt_gib(fixed - w_bytes)}, reserve {fmt_gib(RESERVE_BYTES)}), target has {fmt_gib(vram)}: "
-                f"try a smaller --max-context, --quant nvfp4, a larger --vram, or a smaller model")
+                f"try a smaller --max-context, --quant nvfp4, a larger --vram, or a smaller model"
+                + (f" (or --no-gpu-penalties: its per-sequence token counts take {fmt_gib(pen)})" if pen else ""))
         plan["targets"][t["name"]] = {
             "vram_bytes": vram, "page_size": page, "kv_pages": pages, "kv_bytes": pages * page_bytes,
             "kv_tokens": (pages - 1) * page, "prefill_chunk": chunk, "scratch_bytes": fixed - w_bytes,

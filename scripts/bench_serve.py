@@ -69,6 +69,10 @@ def run_one(client: httpx.Client, a, spec: Spec) -> Result:
         body["model"] = a.model
     if a.ignore_eos:
         body["ignore_eos"] = True
+    if a.frequency_penalty:
+        body["frequency_penalty"] = a.frequency_penalty
+    if a.repetition_penalty != 1.0:
+        body["repetition_penalty"] = a.repetition_penalty
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     r.t_start = time.perf_counter()
     try:
@@ -183,6 +187,8 @@ def parse_args(argv=None):
     p.add_argument("--token-range", type=lambda s: tuple(int(x) for x in s.split("-")), default=(1000, 20000),
                    help="token ids are drawn from LO-HI (default 1000-20000)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency_penalty of every request")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="repetition_penalty of every request")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (if it supports it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)

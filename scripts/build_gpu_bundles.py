@@ -23,7 +23,8 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0}
-# qwen3-pen: the tiny qwen3 with --gpu-penalties (the sampler's penalties on the device)
+# qwen3-pen: the tiny qwen3 with --gpu-penalties (the sampler's penalties on the device, the compile default);
+# the others without, so their host-penalty paths stay tested (and the synthetic ones fit VRAM_GIB)
 # llama: Hopper prefill expands each NVFP4 weight before its GEMM (--prefill-weights dequant); the others keep
 # the fp16 copies expanded at load (the default for models this small)
 VRAM_GIB = 4
@@ -50,7 +51,8 @@ def build(names: list[str]) -> None:
                                              gpu_penalties=name.endswith("-pen")))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
-                                                                     max_batch=64, vram_gib=VRAM_GIB), seed=1)
+                                                                     max_batch=64, vram_gib=VRAM_GIB,
+                                                                     gpu_penalties=False), seed=1)
         else:
             raise ValueError(f"unknown GPU test bundle {name}")
         print(f"built {out}", file=sys.stderr)

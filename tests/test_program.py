@@ -132,8 +132,10 @@ def test_inspect_program_counts(gpu_bundle_dir):
                                                     ("prefill", 128)}   # Hopper: the split-K phase of one row tile
     dec1 = next(k for k in d["buckets"] if k["phase"] == "decode" and k["tokens"] == 1)
     # embed; per layer qkv (its RMSNorm fused at batch 1), rope+cache, attention (its split merge fused), o,
-    # gate_up (+norm, +act), down; head norm, head, sample
-    assert len(dec1["launches"]) == 1 + 6 * s.n_layers + 3
+    # gate_up (+norm, +act), down; head norm, head, sample (with the GPU penalties, the default: apply_penalties
+    # before it, count_sampled after)
+    pen = 2 if program_of(gpu_bundle_dir).options["gpu_penalties"] else 0
+    assert len(dec1["launches"]) == 1 + 6 * s.n_layers + 3 + pen
     assert all(set(x) == {"kernel", "grid", "block", "smem", "reads", "writes"} for x in dec1["launches"])
     # the GEMVs read each layer's NVFP4 weights once: codes K/2 + scales K/16 bytes per row, 4 for tscale
     lin = sum(n * k // 2 + n * k // 16 + 4 for n, k in s.linear_shapes().values()) * s.n_layers

@@ -92,9 +92,10 @@ def test_templates_compile(shape, target):
 
 
 def test_gpu_penalties_program():
-    """--gpu-penalties: each sampling launch (every decode bucket, every prefill phase's decode rows) is preceded
-    by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables and the
-    per-row step values planned into the arena (and counted by the plan); without it, none of them exist."""
+    """--gpu-penalties (the default): each sampling launch (every decode bucket, every prefill phase's decode rows)
+    is preceded by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables
+    and the per-row step values planned into the arena (and counted by the plan); without it
+    (--no-gpu-penalties), none of them exist."""
     from impc.arena_layout import penalty_tables
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
@@ -103,11 +104,12 @@ def test_gpu_penalties_program():
     formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
                for n, s in spec.tensor_shapes().items()}
     names = ("pen_counts", "pen_seen", "repetition_penalty", "presence_penalty", "frequency_penalty")
-    plain = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 512, 64), ProgramOptions(), None)
+    plain = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 512, 64, gpu_penalties=False),
+                          ProgramOptions(gpu_penalties=False), None)
     assert not any(n in plain.buffers for n in names)
     assert not any(x.kernel in ("apply_penalties", "count_sampled") for ph in plain.phases for x in ph.launches)
-    plan = plan_memory(spec, formats, [t], None, 512, 64, gpu_penalties=True)
-    prog = build_program(spec, formats, t, plan, ProgramOptions(gpu_penalties=True), None)
+    plan = plan_memory(spec, formats, [t], None, 512, 64)
+    prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
     assert all(n in prog.buffers for n in names)
     tables = penalty_tables(spec, prog.constants["max_seqs"])
     assert prog.buffers["pen_counts"].bytes == tables["pen_counts"][2] == prog.constants["max_seqs"] * spec.vocab_size * 4
