@@ -91,6 +91,32 @@ def test_templates_compile(shape, target):
         assert not any(k.startswith(("gemm_wg", "gemm_wq")) for k in launched)
 
 
+def test_prefill_attention_option():
+    """--prefill-attention: on Hopper the wgmma kernel for head dims that are multiples of 64 (up to 256), with its
+    own block geometry (2 warpgroups, 128 query rows) in the launches and the program's query tile; `mma` (and any
+    other head dim or target) the mma.sync kernel. The runtime cuts the tile table by the program's query tile."""
+    from impc.launches import ProgramOptions, build_program, fa_geometry, fa_wg_geometry
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    h, b = load_target("sm_90a"), load_target("sm_120a")
+    assert fa_wg_geometry(128, b) is None and fa_wg_geometry(80, h) is None and fa_wg_geometry(320, h) is None
+    assert fa_wg_geometry(64, h)["kt"] == 128 and fa_wg_geometry(256, h)["kt"] == 64
+    spec = SHAPES["qwen3-8b"]
+    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
+               for n, s in spec.tensor_shapes().items()}
+    plan = plan_memory(spec, formats, [h], None, 4096, 64)
+    for option, kernel in (("wgmma", "attn_prefill_wg"), ("mma", "attn_prefill_f16")):
+        prog = build_program(spec, formats, h, plan, ProgramOptions(prefill_attention=option), None)
+        threads, qt, smem = ((256, 128, fa_wg_geometry(spec.head_dim, h)["smem"]) if option == "wgmma" else
+                             fa_geometry(spec.head_dim, h["smem_per_block_bytes"]))
+        attn = [x for ph in prog.phases if ph.phase == "prefill" for x in ph.launches if x.kernel.startswith("attn_prefill_")
+                and x.kernel != "attn_prefill_merge"]
+        assert attn and {x.kernel for x in attn} == {kernel}
+        assert all(x.block[0] == threads and x.smem == smem for x in attn)
+        assert prog.constants["fa_query_tile"] == qt and prog.kernel_smem[kernel] == smem
+        assert prog.options["prefill_attention"] == option
+
+
 def test_gpu_penalties_program():
     """--gpu-penalties (the default): each sampling launch (every decode bucket, every prefill phase's decode rows)
     is preceded by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables
