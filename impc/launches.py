@@ -143,7 +143,7 @@ class ProgramBuilder(LinearLaunches):
                 self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
             opt = lambda name: ptr(p + name) if p + name in self.formats else ptr(None)  # noqa: E731
             rope = self.rope[s.rope_for(i)]
-            e.add("qkv_rope_cache_f16", (rows,), (128,),
+            e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                   [ptr("qkv"), opt("qkv_bias"), opt("q_norm"), opt("k_norm"), ptr(rope), ptr("positions"),
                    ptr("kv_slots"), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
                   [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],

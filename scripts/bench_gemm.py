@@ -5,7 +5,7 @@ cuBLAS) on the same shapes in the same process. Needs torch with CUDA (the GPU m
 For every linear shape of the model (qkv, o, gate_up, down) at each M: the wgmma GEMM (templates/
 gemm_wgmma.cu.j2) on fp16 operands, the NVFP4 -> fp16 expansion it runs before (dequant_nvfp4_f16), the
 mma.sync GEMM it replaces (gemm_nvfp4_f16, templates/gemm.cu.j2), and cuBLAS bf16. Medians of --runs timed
-repetitions (CUDA events); o and down add into their float32 output as the model's residual adds do (mode 1), and
+samples (CUDA events around back-to-back calls, after a sustained warm-up); o and down add into their float32 output as the model's residual adds do (mode 1), and
 each wgmma repetition alternates with a cuBLAS one, so both columns see the same clocks. Checks first: the expansion against runtime/nvfp4.py's exact dequantization, and
 each wgmma tile shape against torch's float32 product (ragged M, K not a multiple of 64, mode 1 adds).
 
@@ -18,6 +18,7 @@ import ctypes
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,26 +65,43 @@ def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn: int, mod
 
 
 def timed(fn, runs: int) -> float:
-    """Median milliseconds of fn() over `runs` timed repetitions (after a warm-up)."""
+    """Median milliseconds of fn() over `runs` timed samples (after a warm-up)."""
     return timed_pair(fn, None, runs)[0]
 
 
-def timed_pair(fn, ref, runs: int) -> tuple[float, float]:
-    """Median milliseconds of fn() and of ref() (None: fn alone), their repetitions alternating so both see the same
-    clock and power state (GEMMs of one call differed by 10% from one shape's runs to the next, cuBLAS's too)."""
+def timed_pair(fn, ref, runs: int, sample_ms: float = 5.0, warm_ms: float = 200.0) -> tuple[float, float]:
+    """Median milliseconds of one fn() and of one ref() (None: fn alone). Each sample times enough back-to-back calls
+    to fill ~sample_ms, after ~warm_ms of the same work: one call timed alone (a third of a millisecond for the o
+    projection at M = 4096) started at whatever clock the GPU had idled down to, and cuBLAS's own figure for one
+    shape moved from 488 to 680 TFLOP/s between calls. Samples of fn and ref alternate, so both see the same clock
+    and power state."""
     fns = [f for f in (fn, ref) if f is not None]
-    for f in fns:
+    reps = []
+    for f in fns:                                   # calls a sample: from one call's time, after a first warm-up
         f()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        f()
+        e1.record()
+        torch.cuda.synchronize()
+        reps.append(max(1, int(sample_ms / max(e0.elapsed_time(e1), 1e-3))))
+    t_end = time.perf_counter() + warm_ms / 1e3
+    while time.perf_counter() < t_end:
+        for f, r in zip(fns, reps):
+            for _ in range(r):
+                f()
+        torch.cuda.synchronize()
     out = [[] for _ in fns]
     for _ in range(runs):
-        for f, o in zip(fns, out):
+        for f, r, o in zip(fns, reps, out):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            f()
+            for _ in range(r):
+                f()
             e1.record()
             torch.cuda.synchronize()
-            o.append(e0.elapsed_time(e1))
+            o.append(e0.elapsed_time(e1) / r)
     med = [statistics.median(o) for o in out]
     return med[0], (med[1] if ref is not None else float("nan"))
 
