@@ -9,7 +9,10 @@ sums to 7.6 ms here against 4.1 ms replayed as a graph), so small kernels read s
 the big GEMVs, whose time is their bytes, read close to true. `ncu` gives exact kernel durations.
 Also the target of `ncu --clock-control none python scripts/profile_step.py ...` for hardware counters.
 
-Usage: python scripts/profile_step.py BUNDLE [--phase decode|prefill] [--tokens N] [--reps 20] [--by-shape] [--json]"""
+With --back-to-back --graph each row's launches replay as one CUDA graph: kernel time without the host's launch rate.
+
+Usage: python scripts/profile_step.py BUNDLE [--phase decode|prefill] [--tokens N] [--reps 20] [--by-shape]
+       [--back-to-back [--graph]] [--json]"""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +37,10 @@ def main() -> int:
                     help="time all launches of one row (a kernel, with --by-shape a kernel and weight: one a layer) "
                          "queued back to back, each layer's own weights, so no launch finds the last one's in L2: "
                          "hides the launch latency one launch between two events carries, for kernels over ~5 us")
+    ap.add_argument("--graph", action="store_true",
+                    help="with --back-to-back: each row's launches captured as one CUDA graph and replayed between the "
+                         "events, so the row's time is its kernels' time in a graph (as the decode step runs them), "
+                         "not the host's launch rate (~8 us a launch from Python, more than a small kernel takes)")
     ap.add_argument("--by-shape", action="store_true",
                     help="one row per matrix kernel and weight (qkv, o, gate_up, down, head) instead of per kernel")
     a = ap.parse_args()
@@ -78,6 +85,7 @@ def main() -> int:
 
     e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
     times = collections.defaultdict(list)
+    graphs = {}
     for rep in range(a.reps + 2):
         for i in range(len(phase.launches)):
             if a.back_to_back:
@@ -92,10 +100,19 @@ def main() -> int:
             rows_of = collections.defaultdict(list)
             for i, x in enumerate(phase.launches):
                 rows_of[label(x)].append(i)
-            for idx in rows_of.values():
+            for key, idx in rows_of.items():
+                if a.graph and key not in graphs:
+                    check(cu.cuStreamBeginCapture(ex.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+                    for i in idx:
+                        ex.run_launch(phase.phase, phase.tokens, i, env)
+                    graphs[key] = check(cu.cuGraphInstantiate(check(cu.cuStreamEndCapture(ex.stream)), 0))
+                    check(cu.cuGraphLaunch(graphs[key], ex.stream))          # a warm-up replay
                 check(cu.cuEventRecord(e0, ex.stream))
-                for i in idx:
-                    ex.run_launch(phase.phase, phase.tokens, i, env)
+                if a.graph:
+                    check(cu.cuGraphLaunch(graphs[key], ex.stream))
+                else:
+                    for i in idx:
+                        ex.run_launch(phase.phase, phase.tokens, i, env)
                 check(cu.cuEventRecord(e1, ex.stream))
                 check(cu.cuEventSynchronize(e1))
                 if rep >= 2:

@@ -710,3 +710,32 @@ def test_sampler_distribution(ex, temperature, top_k, top_p, min_p):
     chi2 = float(np.sum((counts[live] - expected) ** 2 / expected))
     dof = int(live.sum()) - 1
     assert chi2 < dof + 6 * np.sqrt(2 * max(dof, 1)) + 10, f"chi-square {chi2:.1f} with {dof} degrees of freedom"
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5000, 1.0), (0, 0.5), (30, 0.9)])
+def test_sampler_many_candidates(ex, top_k, top_p):
+    """Rows whose top-k / top-p set is larger than the sampler's shared-memory candidate list (4,096 tokens: top_k
+    5000, top_p 0.5 of 6,000 similar tokens) take the whole-row bisections, small ones (top_k 30) the candidate
+    list: either way no token outside the kept set of the definition is drawn; a large kept set's more likely half
+    is drawn more often than its less likely half, a small one's draws pass a chi-square test."""
+    live = 6000
+    if ex.spec.vocab_size < live + 200:
+        pytest.skip("vocabulary smaller than the test's live tokens")
+    row = np.full(ex.spec.vocab_size, -40.0, np.float32)
+    row[100:100 + live] = np.linspace(-1.5, 0.0, live, dtype=np.float32)[np.random.default_rng(3).permutation(live)]
+    p = kept_distribution(row, 1.0, top_k, top_p, 0.0)
+    b = 64
+    draws = []
+    for rep in range(16):
+        draws += sample(ex, np.tile(row, (b, 1)), 1.0, top_k, top_p, 0.0, [rep * b + j for j in range(b)])
+    counts = np.bincount(draws, minlength=ex.spec.vocab_size)
+    assert counts[p == 0].sum() == 0, "a token outside the kept set was drawn"
+    kept = np.flatnonzero(p > 0)
+    if len(kept) <= 64:          # few kept tokens (near-equal here): a chi-square test, as test_sampler_distribution
+        expected = p[kept] * len(draws)
+        chi2 = float(np.sum((counts[kept] - expected) ** 2 / expected))
+        assert chi2 < len(kept) - 1 + 6 * np.sqrt(2 * (len(kept) - 1)) + 10, f"chi-square {chi2:.1f}"
+        return
+    order = kept[np.argsort(-row[kept], kind="stable")]
+    top, bottom = order[:len(order) // 2], order[len(order) // 2:]
+    assert counts[bottom].sum() > 0 and counts[top].sum() > counts[bottom].sum()
