@@ -157,6 +157,26 @@ class SensitivityMeter:
         return out
 
 
+BACKGROUND_NICE = 19   # the niceness of the work beside the GPTQ thread (these measurements, nvcc)
+
+
+def background_priority() -> None:
+    """Lower the calling thread's scheduling priority (and that of the threads and processes it starts) to
+    BACKGROUND_NICE. The GPTQ thread is the compile's critical path (each layer waits for the one before); the
+    sensitivity measurements and nvcc can be done at any time before its end, so they take the CPU it leaves:
+    at equal priority they took half its core while nvcc ran, and the compile ended with GPTQ's last layers
+    alone on one core. Linux sets niceness per thread; elsewhere (or if refused) nothing changes."""
+    import sys
+    import threading
+    if not sys.platform.startswith("linux"):     # elsewhere a thread id is no process id to renice
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
+
+
 class BackgroundMeasurements:
     """Sensitivities measured on worker threads while the caller goes on: the meter is built by a worker
     (make_meter: the reference model's run), then submit() each layer's tensors as soon as their
@@ -169,7 +189,7 @@ class BackgroundMeasurements:
         self.after = max(after, beside)
         self.slots = threading.Semaphore(beside)
         self.extra = self.after - beside
-        self.pool = ThreadPoolExecutor(max_workers=self.after)
+        self.pool = ThreadPoolExecutor(max_workers=self.after, initializer=background_priority)
         self.pending: dict[str, Future] = {}           # tensor -> its group's {tensor: KL}
         self.meter = self.pool.submit(self._in_slot, make_meter)
 

@@ -118,8 +118,12 @@ def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mappi
     sequentially. weights hold float32 values: the checkpoint's for NVFP4 tensors, the stored values
     for the others (bf16-rounded where bf16). on_quantized(name, dequantized values) is called as each
     tensor is done (the byte budget measures it meanwhile)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from impc.budget import background_priority
+
     p = progress or Progress(quiet=True)
     out = CalibratedModel({})
+    errors = {}
 
     def quantize(name: str, inputs: np.ndarray) -> np.ndarray:
         w = weights[name]
@@ -129,19 +133,22 @@ def calibrate(spec: ModelSpec, weights: Mapping[str, np.ndarray], formats: Mappi
         res = gptq_nvfp4_with_error(w, h)
         deq = res.tensor.dequantize()
         out.tensors[name] = res.tensor
-        out.output_error[name] = relative_output_error(w, res.weighted_error, h)
+        # a diagnostic nothing here waits for: computed beside the sequential GPTQ (its critical path)
+        errors[name] = side.submit(relative_output_error, w, res.weighted_error, h)
         if on_quantized:
             on_quantized(name, deq)
         return deq
 
-    x = embed(spec, weights["embed"], calib.chunks)
-    for i in range(spec.n_layers):
-        t0 = time.perf_counter()
-        x = layer_forward(spec, i, layer_weights(weights, i), x,
-                          lambda short, inputs: quantize(f"layers.{i}.{short}", inputs))
-        out.layer_seconds.append(time.perf_counter() - t0)
-        p.count("layers calibrated", i + 1, spec.n_layers)
-    if formats.get("lm_head") == "nvfp4":
-        hidden = final_hidden(spec, weights, x)
-        quantize("lm_head", hidden.reshape(-1, spec.hidden))
+    with ThreadPoolExecutor(max_workers=1, initializer=background_priority) as side:
+        x = embed(spec, weights["embed"], calib.chunks)
+        for i in range(spec.n_layers):
+            t0 = time.perf_counter()
+            x = layer_forward(spec, i, layer_weights(weights, i), x,
+                              lambda short, inputs: quantize(f"layers.{i}.{short}", inputs))
+            out.layer_seconds.append(time.perf_counter() - t0)
+            p.count("layers calibrated", i + 1, spec.n_layers)
+        if formats.get("lm_head") == "nvfp4":
+            hidden = final_hidden(spec, weights, x)
+            quantize("lm_head", hidden.reshape(-1, spec.hidden))
+        out.output_error = {name: f.result() for name, f in errors.items()}
     return out

@@ -11,7 +11,7 @@ from impc.checkpoint import load_checkpoint
 from impc.errors import CompileError
 from impc.emit import Emitted, compiler_record, emit, nvcc_path, template_hashes
 from impc.families import family_for
-from impc.launches import ProgramOptions, build_program
+from impc.launches import ProgramOptions, build_program, kernels_not_launched
 from impc.plan import describe, plan_memory
 from impc.progress import Progress
 from impc.quantize import measure_error, quantize_nvfp4
@@ -79,9 +79,24 @@ def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
 
 def to_bf16_bits(a: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, round to nearest even (as torch does)."""
+    return (_bf16_rounded(a) >> 16).astype(np.uint16)
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """The float32 values of to_bf16_bits(a) (bf16_to_f32 of them, in fewer passes)."""
+    r = _bf16_rounded(a)
+    r &= np.uint32(0xFFFF0000)
+    return r.view(np.float32).reshape(np.shape(a))
+
+
+def _bf16_rounded(a: np.ndarray) -> np.ndarray:
+    """bits + 0x7FFF + ((bits >> 16) & 1) of a's float32 bit patterns (uint32, wrapping), in place on one array."""
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).astype(np.uint16)
+    r = bits >> 16
+    r &= np.uint32(1)
+    r += np.uint32(0x7FFF)
+    r += bits
+    return r
 
 
 def describe_spec(spec: ModelSpec) -> str:
@@ -117,7 +132,10 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
         tensors, formats = calibrated.weights.items(), calibrated.formats
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, dict] = {}
-    for i, (name, w) in enumerate(tensors, 1):
+
+    def store(item: tuple[str, np.ndarray]) -> tuple[str, dict, dict[str, np.ndarray]]:
+        """One tensor's stored arrays and manifest entry (a function of that tensor alone)."""
+        name, w = item
         if tuple(w.shape) != shapes[name]:
             raise CompileError(f"tensor {name} has shape {tuple(w.shape)}, the config implies {shapes[name]}")
         fmt = formats[name]
@@ -126,15 +144,21 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
             entry.update(calibrated.output_error[name])
         if fmt == "nvfp4":
             q = calibrated.tensors[name] if calibrated and name in calibrated.tensors else quantize_nvfp4(w, opts.scale_search)
-            arrays[name + ".codes"], arrays[name + ".scales"], arrays[name + ".tscale"] = q.codes, q.scales, q.tscale
+            stored = {name + ".codes": q.codes, name + ".scales": q.scales, name + ".tscale": q.tscale}
             err = measure_error(w, q.dequantize())
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         elif fmt == "bf16":
-            arrays[name] = to_bf16_bits(w)
-            err = measure_error(w, bf16_to_f32(arrays[name]))
+            stored = {name: to_bf16_bits(w)}
+            err = measure_error(w, bf16_to_f32(stored[name]))
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         else:
-            arrays[name] = np.ascontiguousarray(w, dtype=np.float32)
+            stored = {name: np.ascontiguousarray(w, dtype=np.float32)}
+        return name, entry, stored
+
+    # two tensors at a time (numpy leaves the lock for the long passes), a few ahead at most (the checkpoint's
+    # tensors may be read one at a time); stored in the checkpoint's order whatever finishes first
+    for i, (name, entry, stored) in enumerate(ordered_map(store, tensors, workers=2, ahead=4), 1):
+        arrays.update(stored)
         quant[name] = entry
         p.count("tensors", i, len(shapes))
     missing = set(shapes) - set(quant)
@@ -144,6 +168,25 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
     if errs:
         p.info(f"NVFP4 error ||W-Q||/||W||: mean {np.mean(errs):.4f}, max {np.max(errs):.4f} over {len(errs)} tensors")
     return Quantized(arrays, quant, formats, calibrated.record if calibrated else None)
+
+
+def ordered_map(fn, items, workers: int = 2, ahead: int = 4):
+    """fn over items on `workers` threads, results yielded in the items' order, at most `ahead` items taken
+    from the iterable before their results are yielded."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 @dataclass
@@ -233,8 +276,12 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     from concurrent.futures import ThreadPoolExecutor
     if targets:
         nvcc_path()                   # a missing compiler is said now, not after quantization
-    with ThreadPoolExecutor(max_workers=1) as nvcc_pool:
-        kernels = nvcc_pool.submit(emit, spec, targets, plan)
+    from impc.budget import background_priority
+    from impc.quantize_calibrated import one_malloc_arena
+    one_malloc_arena()
+    with ThreadPoolExecutor(max_workers=1, initializer=background_priority) as nvcc_pool:
+        omit = {t["name"]: kernels_not_launched(spec, t, opts.program_options()) for t in targets}
+        kernels = nvcc_pool.submit(emit, spec, targets, plan, omit)
         q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
         if q.formats != formats:
             formats, targets, plan = plan_stage(spec, opts, p, q.formats)

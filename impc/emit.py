@@ -75,8 +75,9 @@ def cfloat(x: float) -> str:
     return text + "f" if any(c in text for c in ".eE") else text + ".0f"
 
 
-def render(spec: ModelSpec, target: dict, plan: dict) -> str:
-    """One translation unit: the common prelude, then every kernel family, each specialised."""
+def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = frozenset()) -> str:
+    """One translation unit: the common prelude, then every kernel family, each specialised; without the
+    kernels named in omit that a template can leave out (those the program cannot launch: nvcc time)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
@@ -87,7 +88,7 @@ def render(spec: ModelSpec, target: dict, plan: dict) -> str:
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES, "threads": WG_THREADS},
            "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec)},
-           "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False}}
+           "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False}, "omit": frozenset(omit)}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
         parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))
@@ -117,12 +118,13 @@ def compile_cubin(source: str, target: dict, nvcc: Path, version: str) -> tuple[
     return data, False
 
 
-def emit(spec: ModelSpec, targets: list[dict], plan: dict) -> list[Emitted]:
+def emit(spec: ModelSpec, targets: list[dict], plan: dict, omit: dict[str, frozenset[str]] | None = None) -> list[Emitted]:
+    """One cubin per target; omit: per target, kernels to leave out (impc/launches.py kernels_not_launched)."""
     if not targets:
         return []
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
-    sources = {t["name"]: render(spec, t, plan) for t in targets}
+    sources = {t["name"]: render(spec, t, plan, (omit or {}).get(t["name"], frozenset())) for t in targets}
     with ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1))) as pool:
         results = list(pool.map(lambda t: compile_cubin(sources[t["name"]], t, nvcc, version), targets))
     return [Emitted(t["name"], cubin, sources[t["name"]], sorted(kernel_symbols(cubin)), cached)

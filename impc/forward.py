@@ -8,6 +8,7 @@ layer over a batch of equal-length chunks that each start at position 0.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Mapping
 
 import numpy as np
@@ -18,6 +19,9 @@ from imp_runtime.spec import ModelSpec
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 QUERY_BLOCK = 64     # causal attention in query blocks: block j reads keys 0 .. its end only
+ROW_CHUNK = 1 << 16  # elements a row-wise pass (norm, SiLU) of a large array works on at a time (in L2)
+LARGE = 1 << 20      # elements from which a row-wise pass goes ROW_CHUNK at a time
+SCORES_IN_CACHE = 3 << 18   # attention scores of a query block (bytes) for which chunks are batched together
 
 # Called with a linear's short name ("qkv", ...) and its inputs [rows, in]; returns the weight to apply.
 LinearHook = Callable[[str, np.ndarray], np.ndarray]
@@ -46,79 +50,126 @@ def layer_forward(spec: ModelSpec, layer: int, w: Mapping[str, np.ndarray], x: n
         return inputs @ weight.T
 
     pos = np.arange(t)
-    a = rms_norm(x, w["attn_norm"], s.norm_eps).reshape(c * t, d)
+    a = norm_rows(x, w["attn_norm"], s.norm_eps).reshape(c * t, d)
     qkv = linear("qkv", a)
     if s.qkv_bias:
         qkv = qkv + w["qkv_bias"]
     qkv = qkv.reshape(c, t, -1)
     cos, sin = cos_sin(s, layer, pos)
     window = s.sliding_window if s.kind(layer) == "sliding" else 0
-    heads = np.empty((c, t, s.q_dim), dtype=np.float32)
-    for i in range(c):
-        q = qkv[i, :, :s.q_dim].reshape(t, s.n_heads, s.head_dim)
-        k = qkv[i, :, s.q_dim:s.q_dim + s.kv_dim].reshape(t, s.n_kv_heads, s.head_dim)
-        v = qkv[i, :, s.q_dim + s.kv_dim:].reshape(t, s.n_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = rms_norm(q, w["q_norm"], s.norm_eps)
-            k = rms_norm(k, w["k_norm"], s.norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        heads[i] = causal_attention(q, k, v, s.softmax_scale, window).reshape(t, s.q_dim)
+    # q and k of every chunk normed and rotated at once (each value as the per-chunk calls gave it: the
+    # operations are per element, the norms per head row), attention chunk by chunk into heads
+    q = qkv[:, :, :s.q_dim].reshape(c, t, s.n_heads, s.head_dim)
+    k = qkv[:, :, s.q_dim:s.q_dim + s.kv_dim].reshape(c, t, s.n_kv_heads, s.head_dim)
+    if s.qk_norm:
+        q = rms_norm(q, w["q_norm"], s.norm_eps)
+        k = rms_norm(k, w["k_norm"], s.norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = qkv[:, :, s.q_dim + s.kv_dim:].reshape(c, t, s.n_kv_heads, s.head_dim)
+    heads = np.empty((c, t, s.n_heads, s.head_dim), dtype=np.float32)
+    # several chunks per call where a query block's scores are small (the sensitivity runs' 64-token chunks)
+    per = max(1, SCORES_IN_CACHE // (s.n_heads * min(t, QUERY_BLOCK) * t * 4))
+    for i in range(0, c, per):
+        causal_attention(q[i:i + per], k[i:i + per], v[i:i + per], s.softmax_scale, window, out=heads[i:i + per])
     o = linear("o", heads.reshape(c * t, s.q_dim)).reshape(c, t, d)
     if s.sandwich_norm:
         o = rms_norm(o, w["post_attn_norm"], s.norm_eps)
     x = x + o
-    m = rms_norm(x, w["ffn_norm"], s.norm_eps).reshape(c * t, d)
+    m = norm_rows(x, w["ffn_norm"], s.norm_eps).reshape(c * t, d)
     m = linear("down", gated_activation(linear("gate_up", m), s.activation)).reshape(c, t, d)
     if s.sandwich_norm:
         m = rms_norm(m, w["post_ffn_norm"], s.norm_eps)
     return x + m
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int) -> np.ndarray:
-    """executor_cpu.attention for a chunk whose queries and keys both sit at positions 0 .. T-1
-    (q [T, H, hd], k/v [T, KV, hd] -> [T, H, hd]), in query blocks: a block's scores cover only the
-    keys it may see (causal, and within the window), so ~half the score matrix of a 512-token chunk
-    is never computed, and the softmax is normalised on the [T, hd] output instead of on the scores.
-    Same values up to float32 rounding (2.4x faster at T = 512; tests/test_calibrate.py compares)."""
-    t, h, hd = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(t, kv, h // kv, hd).transpose(1, 2, 0, 3)           # [KV, G, T, hd]
-    kt = k.transpose(1, 2, 0)[:, None]                                  # [KV, 1, hd, S]
-    vt = v.transpose(1, 0, 2)[:, None]                                  # [KV, 1, S, hd]
-    out = np.empty(qg.shape, dtype=np.float32)
-    pos = np.arange(t)
+def norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """executor_cpu.rms_norm of a contiguous x [..., D], bit for bit (each row's values depend on that row
+    only); a large x a few rows at a time, so that its passes stay in the core's cache."""
+    if x.size < LARGE:
+        return rms_norm(x, w, eps)
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    out = np.empty(rows.shape, dtype=np.result_type(x, w))
+    step = max(1, ROW_CHUNK // d)
+    for r in range(0, rows.shape[0], step):
+        out[r:r + step] = rms_norm(rows[r:r + step], w, eps)
+    return out.reshape(x.shape)
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """executor_cpu.attention for chunks whose queries and keys both sit at positions 0 .. T-1
+    (q [..., T, H, hd], k/v [..., T, KV, hd] -> [..., T, H, hd], into out when given; leading axes: chunks,
+    each attended on its own), in query blocks: a block's scores cover only the keys it may see (causal, and
+    within the window), so ~half the score matrix of a 512-token chunk is never computed, and the softmax is
+    normalised on the [T, hd] output instead of on the scores. Same values up to float32 rounding (2.4x faster
+    at T = 512; tests/test_calibrate.py compares); each chunk's values the same whatever the chunks beside it
+    (the same matrix products, row by row reductions)."""
+    lead = q.shape[:-3]
+    t, h, hd = q.shape[-3:]
+    kv = k.shape[-2]
+    if out is None:
+        out = np.empty(q.shape, dtype=np.float32)
+    n = int(np.prod(lead, dtype=np.int64))
+    q, k, v, o = (a.reshape(n, *a.shape[-3:]) for a in (q, k, v, out))   # views (out: its own memory)
+    qg = q.reshape(n, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4)      # [C, KV, G, T, hd]
+    kt = k.transpose(0, 2, 3, 1)[:, :, None]                            # [C, KV, 1, hd, S]
+    vt = v.transpose(0, 2, 1, 3)[:, :, None]                            # [C, KV, 1, S, hd]
+    og = o.reshape(n, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4)      # [C, KV, G, T, hd], a view of out
     for i1 in range(0, t, QUERY_BLOCK):
         i2 = min(i1 + QUERY_BLOCK, t)
         j1 = max(0, i1 - window + 1) if window else 0                  # the block's first visible key
-        scores = np.matmul(qg[:, :, i1:i2], kt[..., j1:i2])            # [KV, G, b, keys]
+        scores = np.matmul(qg[..., i1:i2, :], kt[..., j1:i2])          # [C, KV, G, b, keys]
         scores *= np.float32(scale)
-        q_pos, k_pos = pos[i1:i2, None], pos[None, j1:i2]
-        mask = k_pos > q_pos
-        if window:
-            mask |= (q_pos - k_pos) >= window
-        np.putmask(scores, np.broadcast_to(mask, scores.shape), np.float32(-np.inf))
+        mask, hidden = _block_mask(i1, i2, j1, window)
+        for c1, c2 in hidden:
+            np.copyto(scores[..., c1:c2], np.float32(-np.inf), where=mask[:, c1:c2])
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         total = scores.sum(axis=-1, keepdims=True)
-        block = np.matmul(scores, vt[:, :, j1:i2])
-        block /= total
-        out[:, :, i1:i2] = block
-    return out.transpose(2, 0, 1, 3).reshape(t, h, hd)
+        np.divide(np.matmul(scores, vt[..., j1:i2, :]), total, out=og[..., i1:i2, :])
+    return out
+
+
+@lru_cache(maxsize=256)
+def _block_mask(i1: int, i2: int, j1: int, window: int) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+    """The keys j1..i2-1 a query block i1..i2-1 may not see ([b, keys], True where masked), and the ranges of
+    key columns holding any such (-inf is written on those only: the keys before the block are visible to it,
+    unless a window cuts the first ones)."""
+    q_pos, k_pos = np.arange(i1, i2)[:, None], np.arange(j1, i2)[None, :]
+    mask = k_pos > q_pos
+    if window:
+        mask |= (q_pos - k_pos) >= window
+    edges = np.flatnonzero(np.diff(mask.any(axis=0), prepend=False, append=False))
+    mask.setflags(write=False)
+    return mask, tuple((int(a), int(b)) for a, b in edges.reshape(-1, 2))
 
 
 def gated_activation(gate_up: np.ndarray, activation: str) -> np.ndarray:
     """executor_cpu.gated_act, bit for bit, with SiLU computed in place (a third fewer passes over
-    [T, I] than the reference's temporaries)."""
+    [T, I] than the reference's temporaries), a few rows at a time (the passes stay in the core's cache)."""
     if activation != "silu":
         return gated_act(gate_up, activation)
     i = gate_up.shape[-1] // 2
-    g, u = gate_up[..., :i], gate_up[..., i:]
-    a = np.negative(g)                  # silu(g) = g / (1 + exp(-g)), in the reference's order
-    np.exp(a, out=a)
-    a += np.float32(1.0)
-    np.divide(g, a, out=a)
-    a *= u
-    return a
+    if gate_up.size < LARGE:
+        g, u = gate_up[..., :i], gate_up[..., i:]
+        a = np.negative(g)
+        np.exp(a, out=a)
+        a += np.float32(1.0)
+        np.divide(g, a, out=a)
+        a *= u
+        return a
+    rows = gate_up.reshape(-1, 2 * i)
+    out = np.empty((rows.shape[0], i), dtype=gate_up.dtype)
+    step = max(1, ROW_CHUNK // i)
+    for r in range(0, rows.shape[0], step):
+        g, u, a = rows[r:r + step, :i], rows[r:r + step, i:], out[r:r + step]
+        np.negative(g, out=a)           # silu(g) = g / (1 + exp(-g)), in the reference's order
+        np.exp(a, out=a)
+        a += np.float32(1.0)
+        np.divide(g, a, out=a)
+        a *= u
+    return out.reshape(*gate_up.shape[:-1], i)
 
 
 def final_hidden(spec: ModelSpec, weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -106,7 +106,10 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
     dt = np.empty_like(wt)
     codes = np.empty((kp, n), dtype=np.uint8)
     seen_error = np.zeros(kp)               # ||rounding error of column c as the loop saw it||^2
-    deq = np.empty(n)
+    # one column's temporaries, allocated once (the loop runs ~100k times per SmolLM2 compile on rows of a
+    # few thousand values: numpy's per-call costs, not arithmetic, are most of its time)
+    deq, y, fl = np.empty(n), np.empty(n), np.empty(n)
+    tie, idx = np.empty(n, dtype=bool), np.empty(n, dtype=np.intp)
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
         wb = wt[i1:i2] + fb[i1:i2, :i1] @ dt[:i1]       # the earlier blocks' feedback as one product
@@ -115,9 +118,10 @@ def gptq_nvfp4_with_error(w: np.ndarray, hessian: np.ndarray, damp: float = DAMP
             r = c - i1
             x = fb[c, i1:c] @ dt[i1:c]                   # + this block's earlier columns' (one gemv)
             x += wb[r]
-            q = e2m1_codes_of_quarters(x * inv4[r])
+            np.multiply(x, inv4[r], out=y)
+            q, values = e2m1_codes_of_quarters(y, fl, tie, idx, with_values=True)
             codes[c] = q
-            np.multiply(E2M1_VALUES[q], step[c], out=deq)
+            np.multiply(values, step[c], out=deq)
             np.subtract(wt[c], deq, out=dt[c])
             x -= deq
             seen_error[c] = x @ x
@@ -145,6 +149,8 @@ for _t, _up in _DECISIONS:
         _TIE_FIX[21 - _t] = 1                   # y = -t: the magnitude goes up
     else:
         _TIE_FIX[21 + _t] = -1                  # y = +t: down
+_E2M1_F64 = E2M1_VALUES.astype(np.float64)                                          # exact
+_SIGNED_F64 = _E2M1_F64[_SIGNED]                                                    # value by floor(y) + 21
 _MAGNITUDE_VALUE = E2M1_VALUES[_MAGNITUDE].astype(np.float64)                       # value on (j, j+1)
 _TIE_DOWN_VALUE = np.array([(E2M1_VALUES[_MAGNITUDE[j]] - E2M1_VALUES[_MAGNITUDE[j] - 1]) if (j, False) in _DECISIONS
                             else 0.0 for j in range(22)])                           # value's correction at y = j
@@ -155,18 +161,26 @@ def e2m1_codes(x: np.ndarray) -> np.ndarray:
     return e2m1_codes_of_quarters(np.asarray(x, dtype=np.float64) * 4.0)
 
 
-def e2m1_codes_of_quarters(y: np.ndarray) -> np.ndarray:
-    """E2M1 nibbles of y / 4 (y float64)."""
-    j = np.floor(y)
-    tie = y == j
+def e2m1_codes_of_quarters(y: np.ndarray, floor: np.ndarray | None = None, tie: np.ndarray | None = None,
+                            index: np.ndarray | None = None, with_values: bool = False):
+    """E2M1 nibbles of y / 4 (y float64); with_values: (nibbles, their E2M1 values in float64, each the
+    float32 value exactly). floor (float64), tie (bool) and index (intp) are scratch of y's size the caller
+    may lend (the GPTQ loop calls this once per column: numpy's per-call costs are most of its time)."""
+    j = np.floor(y, out=floor)
+    tie = np.equal(y, j, out=tie)
     j += 21.0
     np.maximum(j, 0.0, out=j)                   # saturation at +-6 (beyond the table's last intervals)
     np.minimum(j, 42.0, out=j)
-    i = j.astype(np.intp)
+    if index is None:
+        i = j.astype(np.intp)
+    else:
+        i = index
+        np.copyto(i, j, casting="unsafe")
     q = _SIGNED[i]                              # -0.0 lands on floor 0: code 0, as round_e2m1 gives
-    if tie.any():
+    if np.count_nonzero(tie):
         q = (q + _TIE_FIX[i] * tie).astype(np.uint8)
-    return q
+        return (q, _E2M1_F64[q]) if with_values else q
+    return (q, _SIGNED_F64[i]) if with_values else q
 
 
 def e2m1_magnitude_values_of_quarters(y: np.ndarray) -> np.ndarray:
@@ -176,7 +190,7 @@ def e2m1_magnitude_values_of_quarters(y: np.ndarray) -> np.ndarray:
     np.minimum(j, 21.0, out=j)
     i = j.astype(np.intp)
     v = _MAGNITUDE_VALUE[i]
-    if tie.any():
+    if np.count_nonzero(tie):
         v -= _TIE_DOWN_VALUE[i] * tie
     return v
 

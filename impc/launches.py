@@ -61,6 +61,18 @@ def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
     return {"emit": True, "threads": 256, "qt": qt, "kt": kt, "smem": smem}
 
 
+def prefill_attention_wgmma(spec: ModelSpec, target: dict, options: ProgramOptions) -> dict | None:
+    """The geometry of attn_prefill_wg where prefill attention runs on it (fa_wg_geometry, and asked for), else
+    None: attn_prefill_f16 (mma.sync) runs it."""
+    return fa_wg_geometry(spec.head_dim, target) if options.prefill_attention == "wgmma" else None
+
+
+def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions) -> frozenset[str]:
+    """Kernels no program of this shape, target and options launches, whatever formats the byte budget picks
+    (emit leaves them out of the cubin; the program is validated against the cubin all the same)."""
+    return frozenset({"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else ())
+
+
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
     """(threads, query rows, dynamic shared memory) of a block of attn_prefill_f16 (templates/attn_prefill.cu.j2):
     4 warps of 2 row blocks of 16 (1 above head_dim 128), the Q tile and two double-buffered K and V tiles of
@@ -83,7 +95,7 @@ class ProgramBuilder(LinearLaunches):
         self.max_seqs = plan["max_sequences"]
         self.R, self.MB = rows_for(self.chunk, self.max_batch)
         self.sm_count = target["sm_count"]
-        fw = fa_wg_geometry(spec.head_dim, target) if options.prefill_attention == "wgmma" else None
+        fw = prefill_attention_wgmma(spec, target, options)
         if fw:
             self.fa_kernel, self.fa_threads, self.fa_qt, self.fa_smem = "attn_prefill_wg", fw["threads"], fw["qt"], fw["smem"]
         else:

@@ -23,7 +23,6 @@ from impc.gptq import DAMP
 from impc.plan import GiB, weights_bytes
 from impc.progress import Progress
 from impc.quantize import NVFP4Tensor, quantize_nvfp4
-from imp_runtime.bundle import bf16_to_f32
 from imp_runtime.spec import ModelSpec
 
 
@@ -38,8 +37,8 @@ class CalibratedQuant:
 
 def bf16_values(w: np.ndarray) -> np.ndarray:
     """The float32 values a bf16 tensor stores (round to nearest even)."""
-    from impc.compile import to_bf16_bits
-    return bf16_to_f32(to_bf16_bits(w)).reshape(w.shape)
+    from impc.compile import bf16_values
+    return bf16_values(w)
 
 
 def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
@@ -54,8 +53,20 @@ def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray
 
 
 # glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+
+def one_malloc_arena() -> None:
+    """Every thread of the process allocates from glibc's main arena (call before starting threads). A thread
+    otherwise gets an arena of its own, whose heaps hold at most 64 MiB, so each larger array of the
+    sensitivity thread (the [512, 49152] logits of every measured layer) came from fresh mmapped pages,
+    zeroed by the kernel, whatever heap_reuse() asks; from the main arena it reuses the heap like the GPTQ
+    thread. Allocation only: the values and bytes are the same. Elsewhere than glibc, nothing changes."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):
+        pass
 
 
 @contextmanager

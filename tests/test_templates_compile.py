@@ -67,6 +67,13 @@ def test_templates_compile(shape, target):
     prog = build_program(spec, formats, t, plan, ProgramOptions(), symbols)
     launched = {x.kernel for ph in prog.phases for x in ph.launches}
     assert launched <= symbols
+    # what a compile leaves out of the cubin (impc/emit.py omit) is never launched, and its template drops it
+    from impc.launches import kernels_not_launched
+    omit = kernels_not_launched(spec, t, ProgramOptions())
+    assert not launched & omit
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set())
+    pruned = render(spec, t, {}, omit)
+    assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
     # output head of a mixed step's decode rows, at the phase's end, reads the head as stored)
     prefill = {x.kernel for x in prog.phase("prefill", prog.constants["prefill_chunk"]).launches
@@ -115,6 +122,9 @@ def test_prefill_attention_option():
         assert all(x.block[0] == threads and x.smem == smem for x in attn)
         assert prog.constants["fa_query_tile"] == qt and prog.kernel_smem[kernel] == smem
         assert prog.options["prefill_attention"] == option
+        from impc.launches import kernels_not_launched
+        assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option)) == (
+            {"attn_prefill_f16"} if option == "wgmma" else set())
 
 
 def test_gpu_penalties_program():
