@@ -14,10 +14,9 @@ from impc.families import family_for
 from impc.launches import ProgramOptions, build_program, kernels_not_launched
 from impc.plan import describe, plan_memory
 from impc.progress import Progress
-from impc.quantize import measure_error, quantize_nvfp4
+from impc.quantize import bf16_values, measure_error, quantize_nvfp4, to_bf16_bits
 from impc.targets import parse_targets
 from impc.write_bundle import check_output_dir, write_bundle
-from imp_runtime.bundle import bf16_to_f32
 from imp_runtime.spec import ModelSpec, is_linear
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -77,28 +76,6 @@ def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
     return formats
 
 
-def to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns, round to nearest even (as torch does)."""
-    return (_bf16_rounded(a) >> 16).astype(np.uint16)
-
-
-def bf16_values(a: np.ndarray) -> np.ndarray:
-    """The float32 values of to_bf16_bits(a) (bf16_to_f32 of them, in fewer passes)."""
-    r = _bf16_rounded(a)
-    r &= np.uint32(0xFFFF0000)
-    return r.view(np.float32).reshape(np.shape(a))
-
-
-def _bf16_rounded(a: np.ndarray) -> np.ndarray:
-    """bits + 0x7FFF + ((bits >> 16) & 1) of a's float32 bit patterns (uint32, wrapping), in place on one array."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    r = bits >> 16
-    r &= np.uint32(1)
-    r += np.uint32(0x7FFF)
-    r += bits
-    return r
-
-
 def describe_spec(spec: ModelSpec) -> str:
     return (f"{spec.family}: {spec.n_layers} layers, hidden {spec.hidden}, heads {spec.n_heads}/{spec.n_kv_heads}, "
             f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, {spec.n_params() / 1e6:.1f}M parameters")
@@ -149,7 +126,7 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         elif fmt == "bf16":
             stored = {name: to_bf16_bits(w)}
-            err = measure_error(w, bf16_to_f32(stored[name]))
+            err = measure_error(w, bf16_values(w))
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         else:
             stored = {name: np.ascontiguousarray(w, dtype=np.float32)}

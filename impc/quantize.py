@@ -131,3 +131,25 @@ def measure_error(w: np.ndarray, deq: np.ndarray) -> QuantError:
     sq = lambda a: float(np.einsum(f"{axes},{axes}->", a, a, dtype=np.float64))  # noqa: E731
     norm = sq(w) ** 0.5
     return QuantError(sq(diff) ** 0.5 / norm if norm else 0.0, float(np.max(np.abs(diff))) if diff.size else 0.0)
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, round to nearest even (as torch does)."""
+    return (_bf16_rounded(a) >> 16).astype(np.uint16)
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """The float32 values of to_bf16_bits(a) (bf16_to_f32 of them, in fewer passes)."""
+    r = _bf16_rounded(a)
+    r &= np.uint32(0xFFFF0000)
+    return r.view(np.float32).reshape(np.shape(a))
+
+
+def _bf16_rounded(a: np.ndarray) -> np.ndarray:
+    """bits + 0x7FFF + ((bits >> 16) & 1) of a's float32 bit patterns (uint32, wrapping), in place on one array."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    r = bits >> 16
+    r &= np.uint32(1)
+    r += np.uint32(0x7FFF)
+    r += bits
+    return r

@@ -22,7 +22,7 @@ from impc.errors import CompileError
 from impc.gptq import DAMP
 from impc.plan import GiB, weights_bytes
 from impc.progress import Progress
-from impc.quantize import NVFP4Tensor, quantize_nvfp4
+from impc.quantize import NVFP4Tensor, bf16_values, quantize_nvfp4
 from imp_runtime.spec import ModelSpec
 
 
@@ -33,12 +33,6 @@ class CalibratedQuant:
     tensors: dict[str, NVFP4Tensor]         # every tensor still NVFP4: GPTQ's result, the embedding's rounding
     output_error: dict[str, dict]           # per tensor, merged into its manifest entry
     record: dict                            # the manifest's quantization.calibration
-
-
-def bf16_values(w: np.ndarray) -> np.ndarray:
-    """The float32 values a bf16 tensor stores (round to nearest even)."""
-    from impc.compile import bf16_values
-    return bf16_values(w)
 
 
 def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],

@@ -33,7 +33,7 @@ def rel(a, b) -> float:
 
 
 def bf16_bits(a):
-    from impc.compile import to_bf16_bits
+    from impc.quantize import to_bf16_bits
     return to_bf16_bits(np.asarray(a, np.float32))
 
 
