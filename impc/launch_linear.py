@@ -217,11 +217,12 @@ class LinearLaunches:
         kern = f"gemm_wq{nb}"
         self.kernel_smem[kern] = wq_smem_bytes(nb)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
-        e.add(kern, (tiles, rows_div(rows, nb), splits), (WG_THREADS,),
+        # persistent: a block an SM at most, walking the units (tile x, row tile, split) in turn
+        e.add(kern, (min(tiles * ytiles * splits, self.sm_count),), (WG_THREADS,),
               [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
                tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
                ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
-               *split_args], reads, writes, smem=wq_smem_bytes(nb))
+               *split_args, i32(tiles), i32(splits)], reads, writes, smem=wq_smem_bytes(nb))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
         """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's

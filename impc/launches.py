@@ -7,7 +7,6 @@ arguments, and the bytes it moves. The cuda executor only binds and replays what
 tests take their launches from here too, so a grid or an argument list exists in one place.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import math
 from dataclasses import dataclass
