@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
                                max_tiles, rope_variants, rows_for, wgmma_weights)
 from impc.errors import CompileError
-from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div
+from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div, wq_shape
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
 from imp_runtime.nvfp4 import BLOCK
 from imp_runtime.program import Buffer, Phase, Program, validate
@@ -264,10 +264,19 @@ class ProgramBuilder(LinearLaunches):
         return Phase("decode", b, tuple(e.launches))
 
     def prefill_buckets(self) -> list[int]:
-        """Row counts of the prefill phases: the chunk, and on Hopper split-K phases for one and two row tiles."""
+        """Row counts of the prefill phases: the chunk, and on Hopper split-K phases for one and two row tiles, and
+        where the NVFP4 decode GEMM takes the layers, a phase of its rows (the largest NB) on it."""
         if self.wg_mode == "none":
             return [self.chunk]
-        return sorted({min(WG_SMALL_CHUNK, self.chunk), min(WG_MID_CHUNK, self.chunk), self.chunk})
+        small = [min(WQ_NB[-1], self.chunk)] if self.wq_prefill(WQ_NB[-1]) else []
+        return sorted({*small, min(WG_SMALL_CHUNK, self.chunk), min(WG_MID_CHUNK, self.chunk), self.chunk})
+
+    def wq_prefill(self, chunk: int) -> bool:
+        """A prefill phase of `chunk` rows runs its layer linears on gemm_wq (NVFP4 read as stored: a quarter of the
+        fp16 copies' bytes gemm_wg streams, which short chunks are bound by: a chunk after a cached prefix, a
+        mixed step's few rows)."""
+        return (chunk <= WQ_NB[-1] and self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4"
+                and self.target["compute_capability"][0] == 9 and wq_shape(self.spec))
 
     def prefill(self, chunk: int) -> Phase:
         """Prefill chunks, with the decode rows of other sequences riding in the same launches (a mixed step: the
@@ -277,7 +286,7 @@ class ProgramBuilder(LinearLaunches):
         at positions start.. of block-table row `slot`. A plain prefill has dec = 0: launches whose grid is then
         empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
-        self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", False
+        self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", self.wq_prefill(chunk)
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
