@@ -203,3 +203,13 @@ def test_inspect_a_synthetic_bundle(tmp_path):
         r = impc("inspect", str(out), *args)
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "gemm_wq16" in r.stdout          # every layer K a multiple of 256: decode past the GEMV on the NVFP4 GEMM
+    # ... and prefill chunks of up to 64 rows on it too: a phase of its own whose layer linears all run gemm_wq64 and
+    # whose attention writes the order that GEMM reads (XF_F16W); the 128-row phase keeps the fp16-copy GEMM
+    from imp_runtime.activation_formats import XF_F16W
+    phases = {(p["phase"], p["tokens"]): p["launches"]
+              for p in json.loads((out / "program" / "sm_90a.json").read_text())["phases"]}
+    small, tile = phases[("prefill", 64)], phases[("prefill", 128)]
+    assert [x["kernel"] for x in small].count("gemm_wq64") == 4 * 2 and not any(x["kernel"] == "gemm_wg" for x in small)
+    attn = [x for x in small if x["kernel"].startswith("attn_prefill_") and x["kernel"] != "attn_prefill_merge"]
+    assert len(attn) == 2 and all(x["args"][8] == {"i32": XF_F16W} for x in attn)
+    assert not any(x["kernel"].startswith("gemm_wq") for x in tile)
