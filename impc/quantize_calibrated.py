@@ -56,7 +56,10 @@ def one_malloc_arena() -> None:
     otherwise gets an arena of its own, whose heaps hold at most 64 MiB, so each larger array of the
     sensitivity thread (the [512, 49152] logits of every measured layer) came from fresh mmapped pages,
     zeroed by the kernel, whatever heap_reuse() asks; from the main arena it reuses the heap like the GPTQ
-    thread. Allocation only: the values and bytes are the same. Elsewhere than glibc, nothing changes."""
+    thread. Allocation only: the values and bytes are the same. Elsewhere than glibc, nothing changes.
+    For the rest of the process: glibc fixes its arena limit when a thread first needs an arena, so it cannot be
+    undone afterwards (a process that compiles, then serves, allocates from one arena; `impc compile` is its own
+    process)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
     except (OSError, AttributeError):
