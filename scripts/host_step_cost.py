@@ -11,7 +11,7 @@ Prints steps/s and tokens/s serial vs pipelined, and the scheduler's own split o
 
 Usage: scripts/host_step_cost.py BUNDLE [--rows 64] [--gpu-ms 6] [--steps 400] [--stop S ...] [--profile]
 BUNDLE: a bundle with a GPU target's program and the served tokenizer (build/syn-qwen3-8b-base).
---profile: cProfile of the worker thread in each mode (top functions by own time).
+--profile: cProfile of the worker thread in each mode (top functions by own time, then the runtime's by cumulative time).
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ class SimulatedGpu:
         self.page_size, self.num_pages = c["page_size"], c["kv_pages"]
         self.max_batch, self.max_context, self.prefill_chunk = c["max_batch"], c["max_context"], c["prefill_chunk"]
         self.decode_buckets = p.buckets("decode")
+        self.penalty_values = "pen_counts" in p.buffers     # as the cuda executor: the step carries penalty values
+        self.penalties_on_device = self.penalty_values
         self.step = {b.name: np.zeros(b.shape[0], NP_DTYPES[b.dtype]) for b in p.buffers.values() if b.kind == "step"}
         self.gpu_s, self.vocab = gpu_s, vocab
         self.rng = np.random.default_rng(seed)
@@ -182,6 +184,9 @@ def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool
     if profiler:
         s = io.StringIO()
         pstats.Stats(profiler, stream=s).sort_stats("tottime").print_stats(18)
+        # ... and the runtime's own functions by cumulative time: which part of a step (landing the last step's
+        # tokens, scheduling, the step values, describing, the hand-off) the time belongs to
+        pstats.Stats(profiler, stream=s).sort_stats("cumulative").print_stats("imp_runtime|runtime/", 24)
         result["profile"] = s.getvalue()
     return result
 

@@ -213,3 +213,16 @@ def test_inspect_a_synthetic_bundle(tmp_path):
     attn = [x for x in small if x["kernel"].startswith("attn_prefill_") and x["kernel"] != "attn_prefill_merge"]
     assert len(attn) == 2 and all(x["args"][8] == {"i32": XF_F16W} for x in attn)
     assert not any(x["kernel"].startswith("gemm_wq") for x in tile)
+
+
+def test_host_step_cost_script_runs(gpu_bundle_dir):
+    """scripts/host_step_cost.py (the serving loop's host time against a simulated GPU) runs on a bundle with a GPU
+    program, and its steps/s stay under the simulated device's own bound (1000 / gpu_ms): it broke once unnoticed
+    when the executor gained a field its simulated device did not have."""
+    import re
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_step_cost.py"), str(gpu_bundle_dir), "--rows", "4",
+                        "--gpu-ms", "2", "--steps", "30"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(serial|pipelined)\s*: ([\d.]+) steps/s", r.stdout, re.M)}
+    assert set(rates) == {"serial", "pipelined"}, r.stdout
+    assert all(0 < v <= 1000 / 2 * 1.01 for v in rates.values()), rates
