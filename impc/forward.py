@@ -20,7 +20,7 @@ from imp_runtime.spec import ModelSpec
 LINEARS = ("qkv", "o", "gate_up", "down")
 QUERY_BLOCK = 64     # causal attention in query blocks: block j reads keys 0 .. its end only
 ROW_CHUNK = 1 << 16  # elements a row-wise pass (norm, SiLU) of a large array works on at a time (in L2)
-LARGE = 1 << 20      # elements from which a row-wise pass goes ROW_CHUNK at a time
+LARGE = 1 << 20      # elements from which a row-wise pass goes ROW_CHUNK at a time (row_step)
 SCORES_IN_CACHE = 3 << 18   # attention scores of a query block (bytes) for which chunks are batched together
 
 # Called with a linear's short name ("qkv", ...) and its inputs [rows, in]; returns the weight to apply.
@@ -82,15 +82,18 @@ def layer_forward(spec: ModelSpec, layer: int, w: Mapping[str, np.ndarray], x: n
     return x + m
 
 
+def row_step(rows: np.ndarray) -> int:
+    """Rows a row-wise pass over `rows` [N, D] takes at a time: all of a small array, ROW_CHUNK elements' worth of
+    a large one (so that its passes stay in the core's cache)."""
+    return max(1, rows.shape[0] if rows.size < LARGE else ROW_CHUNK // rows.shape[1])
+
+
 def norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """executor_cpu.rms_norm of a contiguous x [..., D], bit for bit (each row's values depend on that row
-    only); a large x a few rows at a time, so that its passes stay in the core's cache."""
-    if x.size < LARGE:
-        return rms_norm(x, w, eps)
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
+    only), a few rows at a time (row_step)."""
+    rows = x.reshape(-1, x.shape[-1])
     out = np.empty(rows.shape, dtype=np.result_type(x, w))
-    step = max(1, ROW_CHUNK // d)
+    step = row_step(rows)
     for r in range(0, rows.shape[0], step):
         out[r:r + step] = rms_norm(rows[r:r + step], w, eps)
     return out.reshape(x.shape)
@@ -151,17 +154,9 @@ def gated_activation(gate_up: np.ndarray, activation: str) -> np.ndarray:
     if activation != "silu":
         return gated_act(gate_up, activation)
     i = gate_up.shape[-1] // 2
-    if gate_up.size < LARGE:
-        g, u = gate_up[..., :i], gate_up[..., i:]
-        a = np.negative(g)
-        np.exp(a, out=a)
-        a += np.float32(1.0)
-        np.divide(g, a, out=a)
-        a *= u
-        return a
     rows = gate_up.reshape(-1, 2 * i)
     out = np.empty((rows.shape[0], i), dtype=gate_up.dtype)
-    step = max(1, ROW_CHUNK // i)
+    step = row_step(rows[:, :i])
     for r in range(0, rows.shape[0], step):
         g, u, a = rows[r:r + step, :i], rows[r:r + step, i:], out[r:r + step]
         np.negative(g, out=a)           # silu(g) = g / (1 + exp(-g)), in the reference's order

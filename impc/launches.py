@@ -244,7 +244,7 @@ class ProgramBuilder(LinearLaunches):
         # expanding NVFP4 in registers is bound by that expansion instead (8B at 64 rows: 9.3 ms a step).
         self.rows_max, self.wg_layers = b, not dec and self.wg_mode == "copy"
         # ... and on gemm_wq, reading the NVFP4 weights as stored (a quarter of the copies' bytes), up to 64 rows
-        self.wq = not dec and self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4" and b <= WQ_NB[-1]
+        self.wq = not dec and self.wq_rows(b)
         e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
         nb = next((x for x in GEMV_NB if x >= b), 0)
         splits = self.attn_splits(b)
@@ -268,14 +268,14 @@ class ProgramBuilder(LinearLaunches):
         where the NVFP4 decode GEMM takes the layers, a phase of its rows (the largest NB) on it."""
         if self.wg_mode == "none":
             return [self.chunk]
-        small = [min(WQ_NB[-1], self.chunk)] if self.wq_prefill(WQ_NB[-1]) else []
+        small = [min(WQ_NB[-1], self.chunk)] if self.wq_rows(WQ_NB[-1]) else []
         return sorted({*small, min(WG_SMALL_CHUNK, self.chunk), min(WG_MID_CHUNK, self.chunk), self.chunk})
 
-    def wq_prefill(self, chunk: int) -> bool:
-        """A prefill phase of `chunk` rows runs its layer linears on gemm_wq (NVFP4 read as stored: a quarter of the
-        fp16 copies' bytes gemm_wg streams, which short chunks are bound by: a chunk after a cached prefix, a
-        mixed step's few rows)."""
-        return (chunk <= WQ_NB[-1] and self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4"
+    def wq_rows(self, rows: int) -> bool:
+        """A phase of `rows` rows (a decode batch past the GEMV, a prefill chunk) runs its layer linears on gemm_wq:
+        NVFP4 read as stored, a quarter of the bytes of the fp16 copies gemm_wg streams, which few rows are bound
+        by (each linear still needs K a multiple of WQ_K: wq_ok)."""
+        return (rows <= WQ_NB[-1] and self.wg_mode != "none" and self.opt.decode_gemm == "nvfp4"
                 and self.target["compute_capability"][0] == 9 and wq_shape(self.spec))
 
     def prefill(self, chunk: int) -> Phase:
@@ -286,7 +286,7 @@ class ProgramBuilder(LinearLaunches):
         at positions start.. of block-table row `slot`. A plain prefill has dec = 0: launches whose grid is then
         empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
-        self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", self.wq_prefill(chunk)
+        self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", self.wq_rows(chunk)
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}
