@@ -72,21 +72,59 @@ def choose(logits: np.ndarray, p: SamplingParams | None, rng: np.random.Generato
     The last stage of `Sampler.sample`, and what an executor applies to each row of a decode step."""
     if p is None or p.temperature <= 0:
         return int(np.argmax(logits))
+    tokens, probs = candidates(logits, p)
+    return int(tokens[rng.choice(len(tokens), p=probs)])
+
+
+# Tokens a truncated distribution (top-k, top-p, min-p) is looked for among first: a partial sort of the
+# vocabulary's most likely tokens instead of a sort of all of it (a stable argsort of 152k float64 takes
+# ~10-20 ms, the step time of a whole decode batch; a partition ~2 ms).
+_CANDIDATES = 1024
+
+
+def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a non-greedy draw picks from and their probabilities (summing to 1): all tokens in vocabulary
+    order when nothing truncates the distribution, else the kept ones most likely first (ties: lower id first)."""
     z = logits.astype(np.float64) / p.temperature
-    order = np.argsort(-z, kind="stable")
-    if p.top_k > 0:
-        order = order[:p.top_k]
+    n = z.shape[0]
+    k = p.top_k if 0 < p.top_k < n else n
+    if k == n and p.top_p >= 1.0 and p.min_p <= 0.0:        # the whole softmax: no order needed
+        probs = np.exp(z - z.max())
+        return np.arange(n), probs / probs.sum()
+    m = max(k if k < n else 0, _CANDIDATES)
+    if m < n:
+        top = np.argpartition(-z, m - 1)[:m]
+        top.sort()                                          # ids ascending, so the stable sort breaks ties by id
+        order = top[np.argsort(-z[top], kind="stable")]
+        kept = _truncate(z, order[:k] if k < n else order, p, None if k < n else z)
+        if kept is not None:
+            return kept
+    order = np.argsort(-z, kind="stable")[:k]
+    return _truncate(z, order, p, None)
+
+
+def _truncate(z: np.ndarray, order: np.ndarray, p: SamplingParams, rest: np.ndarray | None):
+    """top-p then min-p over `order` (the top-k tokens, most likely first). rest: the whole row when `order`
+    is only the leading candidates of it (its mass is the normaliser); None when `order` is the whole
+    distribution to keep from. Returns None when the kept set may reach past the candidates."""
     zs = z[order]
     probs = np.exp(zs - zs[0])
-    probs /= probs.sum()
+    total = probs.sum() if rest is None else np.exp(rest - zs[0]).sum()
+    probs /= total
     keep = len(order)
     if p.top_p < 1.0:
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        cum = np.cumsum(probs)
+        if rest is not None and cum[-1] < p.top_p:
+            return None
+        keep = min(keep, int(np.searchsorted(cum, p.top_p)) + 1)
     if p.min_p > 0.0:
-        keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
-    probs = probs[:keep] / probs[:keep].sum()
-    return int(order[rng.choice(keep, p=probs)])
+        above = int(np.sum(probs >= p.min_p * probs[0]))
+        if rest is not None and p.top_p >= 1.0 and above == len(order):
+            return None
+        keep = min(keep, max(1, above))
+    probs = probs[:keep]
+    return order[:keep], probs / probs.sum()
 
 
 def step_rng(seed: int, position: int) -> np.random.Generator:

@@ -7,7 +7,7 @@ import pytest
 
 from imp_runtime.engine import Engine, RequestError
 from imp_runtime.kv_blocks import SoloSequence
-from imp_runtime.sampler import Sampler, SamplingParams
+from imp_runtime.sampler import Sampler, SamplingParams, candidates
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
 
@@ -50,6 +50,41 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
 def test_min_p():
     # keep p >= 0.5 * 0.5 = 0.25: tokens 0 and 1
     np.testing.assert_allclose(draw(SamplingParams(min_p=0.5, seed=5)), [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=0.03)
+
+
+def kept_by_full_sort(logits: np.ndarray, p: SamplingParams) -> dict[int, float]:
+    """The oracle for `candidates`: every token sorted (stable), then top-k, top-p, min-p as the sampler's
+    docstring orders them, probabilities normalised over what is kept."""
+    z = logits.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        order = order[:p.top_k]
+    probs = np.exp(z[order] - z[order[0]])
+    probs /= probs.sum()
+    keep = len(order)
+    if p.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+    if p.min_p > 0.0:
+        keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+    return dict(zip(order[:keep].tolist(), (probs[:keep] / probs[:keep].sum()).tolist()))
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])     # peaked: the kept set is among the leading candidates; flat: not
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8), dict(top_k=40), dict(top_k=3000), dict(top_p=0.9), dict(top_p=0.999, top_k=2000),
+    dict(min_p=0.05), dict(min_p=1e-6), dict(top_p=0.5, min_p=0.2), dict(temperature=1.3, top_k=50, top_p=0.95),
+])
+def test_candidates_match_a_full_sort(scale, params):
+    """The partial sort over a 151,936-token row keeps the tokens and probabilities a sort of the whole row
+    keeps, also when the kept set reaches past the candidates (a flat row: the full-sort fallback)."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(151936) * scale).astype(np.float32)
+    p = SamplingParams(**params)
+    tokens, probs = candidates(logits, p)
+    got = dict(zip(tokens.tolist(), probs.tolist()))
+    want = kept_by_full_sort(logits, p)
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=1e-9, atol=1e-15)
 
 
 def test_mask_excludes_tokens():
