@@ -76,7 +76,8 @@ def kept_by_full_sort(logits: np.ndarray, p: SamplingParams) -> dict[int, float]
 ])
 def test_candidates_match_a_full_sort(scale, params):
     """The partial sort over a 151,936-token row keeps the tokens and probabilities a sort of the whole row
-    keeps, also when the kept set reaches past the candidates (a flat row: the full-sort fallback)."""
+    keeps, also when the kept set reaches past the candidates (a flat row: the full-sort fallback); the whole
+    row is scaled and exponentiated in float32, hence the 1e-5."""
     rng = np.random.default_rng(11)
     logits = (rng.standard_normal(151936) * scale).astype(np.float32)
     p = SamplingParams(**params)
@@ -84,7 +85,7 @@ def test_candidates_match_a_full_sort(scale, params):
     got = dict(zip(tokens.tolist(), probs.tolist()))
     want = kept_by_full_sort(logits, p)
     assert got.keys() == want.keys()
-    np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=1e-5, atol=1e-12)
 
 
 def test_mask_excludes_tokens():
