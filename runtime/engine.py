@@ -225,7 +225,11 @@ class Generation:
                 top = [(int(i), float(ls[i])) for i in idx]
         if tok in self.stop_ids:
             return self._finish(TokenEvent(tok, self.held, lp, top, "stop"))
-        self.held += self.detok.add(tok)
+        delta = self.detok.add(tok)
+        if not self.stops:          # nothing is held back: the common case, per token of every stream
+            finish = "stop" if constraint and constraint.is_done() else "length" if len(self.out) == self.budget else None
+            return self._finish(TokenEvent(tok, delta, lp, top, finish)) if finish else TokenEvent(tok, delta, lp, top, None)
+        self.held += delta
         cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             return self._finish(TokenEvent(tok, self.held[:cut], lp, top, "stop"))

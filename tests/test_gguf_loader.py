@@ -190,3 +190,20 @@ def test_fast_dequantize_is_gguf_bit_for_bit(kind):
     ref = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
     got = _DEQUANTIZE[kind](raw)
     assert got.size == rows * blocks * 32 and got.tobytes() == ref.reshape(-1).tobytes()
+
+
+@needs_gguf
+def test_streamed_text_is_the_whole_decode(ck):
+    """runtime's Detokenizer (one delta a token, as a stream sends them) against decoding all the ids at once,
+    on SmolLM2's byte-level BPE: multi-byte characters split over tokens, special tokens (dropped), runs of
+    spaces, and random ids (byte tokens that never form valid UTF-8 included)."""
+    from imp_runtime.tokenizer import Tokenizer
+    tok = Tokenizer(ck.tokenizer_json, {})
+    rng = np.random.default_rng(3)
+    seqs = [tok.encode(t) for t in TEXTS if t] + [rng.integers(0, tok.vocab_size, 400).tolist() for _ in range(3)]
+    for ids in seqs:
+        d = tok.detokenizer()
+        deltas = [d.add(i) for i in ids]
+        whole = tok.decode(ids)
+        assert "".join(deltas) == whole or (whole.endswith("\ufffd") and whole.startswith("".join(deltas)))
+        assert not any(x.endswith("\ufffd") for x in deltas)    # a split character waits for its last byte

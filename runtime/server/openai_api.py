@@ -138,6 +138,24 @@ def chunker(rid: str, kind: str, created: int, model: str, include_usage: bool):
     return chunk
 
 
+class TextChunks:
+    """`chunk(make_choice(i, text))` for the chunk a stream sends most, a choice's plain text delta, from a
+    template rendered once per choice: only the text is JSON-encoded per token (json.dumps of the whole
+    chunk was a sixth of the event loop's time per token at 64 streams). Same bytes as the chunk."""
+    SLOT = "\u2063imp-text-slot\u2063"       # a string json.dumps(ensure_ascii=False) writes as it is
+
+    def __init__(self, chunk, make_choice):
+        self.chunk, self.make_choice, self.parts = chunk, make_choice, {}
+
+    def __call__(self, i: int, text: str) -> str:
+        parts = self.parts.get(i)
+        if parts is None:
+            rendered = self.chunk(self.make_choice(i, self.SLOT))
+            parts = self.parts[i] = tuple(rendered.split(json.dumps(self.SLOT, ensure_ascii=False)))
+            assert len(parts) == 2, "the chunk template holds the text once"
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
+
+
 def stream_usage_flag(body: dict, stream: bool) -> bool:
     opts = get_obj(body, "stream_options", None)
     if opts is not None and not stream:
@@ -206,6 +224,8 @@ async def chat_completions(svc: Service, request: Request, body: dict):
 
     def chunk(i, delta, finish=None, logprobs=None):
         return stream_chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+    content_chunk = TextChunks(stream_chunk, lambda i, text: {"index": i, "delta": {"content": text}, "logprobs": None,
+                                                               "finish_reason": None})
 
     async def body_iter():
         for i in range(n):
@@ -217,7 +237,10 @@ async def chat_completions(svc: Service, request: Request, body: dict):
             if lp and not deltas:
                 deltas = [{"content": ""}]
             for k, delta in enumerate(deltas):
-                yield chunk(i, delta, logprobs=lp if k == 0 else None)
+                if lp is None and len(delta) == 1 and "content" in delta:
+                    yield content_chunk(i, delta["content"])
+                else:
+                    yield chunk(i, delta, logprobs=lp if k == 0 else None)
             if ev.finish_reason:
                 yield chunk(i, {}, finish=c.finish_reason())
         if include_usage:
@@ -319,6 +342,8 @@ async def completions(svc: Service, request: Request, body: dict):
 
     def chunk(i, text, finish=None, lp=None):
         return stream_chunk({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+    text_chunk = TextChunks(stream_chunk, lambda i, text: {"index": i, "text": text, "logprobs": None,
+                                                           "finish_reason": None})
 
     async def body_iter():
         offsets = [len(prompts[index[i]][0]) if echo else 0 for i in range(len(choices))]
@@ -330,7 +355,10 @@ async def completions(svc: Service, request: Request, body: dict):
             c.add(ev)
             lp = logprobs(c, [ev], offsets[i])
             offsets[i] += len(ev.text)
-            if ev.text or lp or ev.finish_reason:
+            if lp is None and not ev.finish_reason:
+                if ev.text:
+                    yield text_chunk(i, ev.text)
+            elif ev.text or lp or ev.finish_reason:
                 yield chunk(i, ev.text, c.finish_reason() if ev.finish_reason else None, lp)
         if include_usage:
             yield stream_chunk(None, usage(n_prompt, choices))

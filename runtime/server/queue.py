@@ -149,7 +149,7 @@ class FairQueue:
                 log.exception("scheduler step failed")
                 outputs = self._fail_all(e)
             with self.cond:
-                self._flush([item for item in map(self._emit, outputs) if item is not None])
+                self._flush(self._account(outputs))
                 self._gauges()
 
     def _fail_all(self, error: Exception) -> list[StepOutput]:
@@ -159,31 +159,38 @@ class FairQueue:
             outs.append(StepOutput(job.request, error=error))
         return outs
 
-    def _emit(self, out: StepOutput) -> tuple[Job, object] | None:
-        """Account one step output; the (job, item) its client gets, or None for a gone client."""
-        job = self.jobs.get(id(out.request))
-        if job is None or job.cancelled:
-            return None
-        if out.error is not None:
-            e = out.error
-            if not isinstance(e, RequestError):
-                log.error("generation failed", exc_info=e)
-            self.jobs.pop(id(out.request), None)
-            return job, (APIError(400, str(e)) if isinstance(e, RequestError)
-                         else APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-        ev = out.event
+    def _account(self, outputs: list[StepOutput]) -> list[tuple[Job, object]]:
+        """A step's outputs: the (job, item) each live client gets, and the step's metrics in one go (the
+        tokens of a step arrive together: one clock reading, one histogram update)."""
         now = time.perf_counter()
-        if job.generated == 0:
-            self.metrics.ttft.observe(now - job.t_arrival)
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        else:
-            self.metrics.itl.observe(now - job.t_last)
-        job.t_last = now
-        job.generated += 1
-        self.metrics.generation_tokens.inc()
-        if ev.finish_reason:
-            self.jobs.pop(id(out.request), None)
-        return job, ev
+        items, first, gaps = [], [], []
+        for out in outputs:
+            job = self.jobs.get(id(out.request))
+            if job is None or job.cancelled:
+                continue
+            if out.error is not None:
+                e = out.error
+                if not isinstance(e, RequestError):
+                    log.error("generation failed", exc_info=e)
+                self.jobs.pop(id(out.request), None)
+                items.append((job, APIError(400, str(e)) if isinstance(e, RequestError)
+                              else APIError(500, f"generation failed: {type(e).__name__}: {e}")))
+                continue
+            if job.generated == 0:
+                first.append(now - job.t_arrival)
+                self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            else:
+                gaps.append(now - job.t_last)
+            job.t_last = now
+            job.generated += 1
+            if out.event.finish_reason:
+                self.jobs.pop(id(out.request), None)
+            items.append((job, out.event))
+        if first or gaps:
+            self.metrics.ttft.observe(first)
+            self.metrics.itl.observe(gaps)
+            self.metrics.generation_tokens.inc(len(first) + len(gaps))
+        return items
 
     def _flush(self, batch: list) -> None:
         """Hand a step's events to their event loops: one call_soon_threadsafe per loop, not per token (each
