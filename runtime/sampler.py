@@ -40,8 +40,16 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompt_ids: list[int]):
         self.p = params
         self.rng = np.random.default_rng(params.seed)
-        self.seen = np.asarray(sorted(set(prompt_ids)), dtype=np.int64)
+        self.prompt_ids = prompt_ids
+        self._seen: np.ndarray | None = None
         self.out_counts: dict[int, int] = {}
+
+    @property
+    def seen(self) -> np.ndarray:
+        """The prompt's distinct tokens (the repetition penalty's), sorted; computed when first needed."""
+        if self._seen is None:
+            self._seen = np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
+        return self._seen
 
     def penalise(self, logits: np.ndarray) -> np.ndarray:
         p = self.p

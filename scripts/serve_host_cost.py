@@ -67,6 +67,34 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
     print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0]}))
 
 
+async def _prefix_client(port: int, prefix: int, new: int, requests: int, vocab: int) -> None:
+    """Requests one after another, each a shared prefix of `prefix` ids and `new` ids of its own, one output
+    token: the time from sending each to its first streamed token (the first request prefills the prefix)."""
+    import random
+    rng = random.Random(2)
+    shared = [rng.randrange(vocab) for _ in range(prefix)]
+    ttfts = []
+    for _ in range(requests):
+        body = json.dumps({"prompt": shared + [rng.randrange(vocab) for _ in range(new)], "max_tokens": 1,
+                           "temperature": 0.0, "stream": True}).encode()
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        buf = b""
+        while b"\ndata: {" not in buf:
+            data = await reader.read(65536)
+            if not data:
+                break
+            buf += data
+        ttfts.append(1e3 * (time.perf_counter() - t0))
+        while await reader.read(65536):
+            pass
+        writer.close()
+    print(json.dumps({"ttft_ms": ttfts}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bundle", nargs="?")
@@ -77,10 +105,16 @@ def main() -> None:
     ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"])
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--prefix", type=int, default=0, help="instead: one client, requests sharing a prefix of this "
+                    "many ids plus --prompt-len of their own, one output token each: the host's time to first token")
+    ap.add_argument("--requests", type=int, default=8, help="with --prefix: how many (default 8)")
     ap.add_argument("--client", nargs=2, type=int, metavar=("PORT", "VOCAB"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.client:
-        asyncio.run(_client_main(a.client[0], a.clients, a.seconds, 3.0, a.prompt_len, a.client[1]))
+        if a.prefix:
+            asyncio.run(_prefix_client(a.client[0], a.prefix, a.prompt_len, a.requests, a.client[1]))
+        else:
+            asyncio.run(_client_main(a.client[0], a.clients, a.seconds, 3.0, a.prompt_len, a.client[1]))
         return
     if not a.bundle:
         ap.error("give a bundle")
@@ -105,8 +139,16 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     client = subprocess.Popen([sys.executable, __file__, "--client", str(a.port), str(vocab), "--clients",
-                               str(a.clients), "--seconds", str(a.seconds), "--prompt-len", str(a.prompt_len)],
-                              stdout=subprocess.PIPE, text=True)
+                               str(a.clients), "--seconds", str(a.seconds), "--prompt-len", str(a.prompt_len),
+                               "--prefix", str(a.prefix), "--requests", str(a.requests)], stdout=subprocess.PIPE, text=True)
+    if a.prefix:
+        out, _ = client.communicate()
+        server.should_exit = True
+        thread.join(timeout=5)
+        ms = json.loads(out.strip().splitlines()[-1])["ttft_ms"]
+        print(f"time to first token, a {a.prefix}-token shared prefix + {a.prompt_len} new tokens, simulated device "
+              f"(prefill takes no time): first {ms[0]:.2f} ms, then {', '.join(f'{x:.2f}' for x in ms[1:])} ms")
+        return
     time.sleep(3.0)
     sched = svc.engine.scheduler
     sched.times = StepTimes()

@@ -5,6 +5,7 @@ the same token prefix (the model records, per page slot, the prefix that produce
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -141,3 +142,20 @@ def test_a_prefix_hit_needs_every_earlier_token_equal():
     assert bm.acquire_prefix(b, [9, 2, 3, 4, 5, 6, 7], 6) == 0      # same second page, different first
     c = BlockTable()
     assert bm.acquire_prefix(c, [1, 2, 3, 4, 5, 6], 5) == 4         # at most 5 tokens: two whole pages
+
+
+def test_prefix_keys_are_the_page_by_page_chain():
+    """The bulk key chain (one conversion of the tokens) against prefix_key page by page, from the start and
+    from a page in the middle; a prefix shares keys, a changed token changes its page's key and every later one."""
+    from imp_runtime.kv_blocks import prefix_key, prefix_keys
+    rng = np.random.default_rng(4)
+    tokens, ps = rng.integers(0, 150000, 16 * 9 + 5).tolist(), 16
+    chain, key = [], b""
+    for i in range(9):
+        key = prefix_key(key, tokens[i * ps:(i + 1) * ps])
+        chain.append(key)
+    assert list(prefix_keys(b"", tokens, 0, 9, ps)) == chain
+    assert list(prefix_keys(chain[3], tokens, 4, 9, ps)) == chain[4:]
+    changed = tokens[:5 * ps + 2] + [tokens[5 * ps + 2] + 1] + tokens[5 * ps + 3:]
+    other = list(prefix_keys(b"", changed, 0, 9, ps))
+    assert other[:5] == chain[:5] and all(a != b for a, b in zip(other[5:], chain[5:]))

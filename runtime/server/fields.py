@@ -72,6 +72,9 @@ def _valid_unicode(s: str) -> bool:
         return False
 
 
+_PLAIN = frozenset((int, float, bool, type(None)))     # values with nothing to check (not _NotFinite: its own type)
+
+
 def _check_tree(body: dict, max_depth: int) -> None:
     """Depth and string checks without recursion (the body is untrusted); paths are built only for the
     error message."""
@@ -82,6 +85,8 @@ def _check_tree(body: dict, max_depth: int) -> None:
             raise bad_request(_path(path[:1]) or "body", f"nested deeper than {max_depth} levels")
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
+            if type(v) in _PLAIN and type(k) is not str:      # a list's number (a prompt's 2,000 token ids)
+                continue
             if isinstance(k, str) and not _valid_unicode(k):
                 raise bad_request(_path(path) or "body", f"the key {ascii(k)[:40]} is not valid Unicode "
                                                         "(a lone UTF-16 surrogate)")
