@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-async def _client_main(port: int, clients: int, seconds: float, warm: float, prompt_len: int, vocab: int) -> None:
+async def _client_main(port: int, clients: int, seconds: float, warm: float, prompt_len: int, vocab: int,
+                       max_tokens: int) -> None:
     """Each client streams completions back to back; prints the tokens received after the warm-up."""
     import random
     rng = random.Random(1)
@@ -41,7 +42,7 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
 
     async def one(i: int) -> None:
         while time.perf_counter() < t_end:
-            body = json.dumps({"prompt": [rng.randrange(vocab) for _ in range(prompt_len)], "max_tokens": 256,
+            body = json.dumps({"prompt": [rng.randrange(vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
                                "temperature": 0.8, "stream": True, "ignore_eos": True}).encode()
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -107,6 +108,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--prefix", type=int, default=0, help="instead: one client, requests sharing a prefix of this "
                     "many ids plus --prompt-len of their own, one output token each: the host's time to first token")
+    ap.add_argument("--max-tokens", type=int, default=256, help="each streaming request's output tokens (default 256, "
+                    "at most what the bundle's context leaves)")
     ap.add_argument("--requests", type=int, default=8, help="with --prefix: how many (default 8)")
     ap.add_argument("--client", nargs=2, type=int, metavar=("PORT", "VOCAB"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -114,7 +117,7 @@ def main() -> None:
         if a.prefix:
             asyncio.run(_prefix_client(a.client[0], a.prefix, a.prompt_len, a.requests, a.client[1]))
         else:
-            asyncio.run(_client_main(a.client[0], a.clients, a.seconds, 3.0, a.prompt_len, a.client[1]))
+            asyncio.run(_client_main(a.client[0], a.clients, a.seconds, 3.0, a.prompt_len, a.client[1], a.max_tokens))
         return
     if not a.bundle:
         ap.error("give a bundle")
@@ -140,7 +143,8 @@ def main() -> None:
         time.sleep(0.05)
     client = subprocess.Popen([sys.executable, __file__, "--client", str(a.port), str(vocab), "--clients",
                                str(a.clients), "--seconds", str(a.seconds), "--prompt-len", str(a.prompt_len),
-                               "--prefix", str(a.prefix), "--requests", str(a.requests)], stdout=subprocess.PIPE, text=True)
+                               "--prefix", str(a.prefix), "--requests", str(a.requests), "--max-tokens",
+                               str(min(a.max_tokens, svc.engine.max_context - a.prompt_len - 1))], stdout=subprocess.PIPE, text=True)
     if a.prefix:
         out, _ = client.communicate()
         server.should_exit = True

@@ -226,3 +226,23 @@ def test_host_step_cost_script_runs(gpu_bundle_dir):
     rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(serial|pipelined)\s*: ([\d.]+) steps/s", r.stdout, re.M)}
     assert set(rates) == {"serial", "pipelined"}, r.stdout
     assert all(0 < v <= 1000 / 2 * 1.01 for v in rates.values()), rates
+
+
+def test_serve_host_cost_script_runs(gpu_bundle_dir):
+    """scripts/serve_host_cost.py (the served host cost over HTTP on a simulated GPU) serves its streaming clients
+    with no errors and under the simulated device's rate (clients x 1000 / gpu_ms tokens/s), and its --prefix mode
+    times each request's first token."""
+    import re
+    script = str(ROOT / "scripts" / "serve_host_cost.py")
+    r = subprocess.run([sys.executable, script, str(gpu_bundle_dir), "--clients", "4", "--gpu-ms", "5", "--seconds", "5",
+                        "--port", "8797"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r": (\d+) output tok/s \((\d+)% of the (\d+) the device allows\), (\d+) errors", r.stdout)
+    assert m, r.stdout
+    rate, ceiling, errors = int(m.group(1)), int(m.group(3)), int(m.group(4))
+    assert errors == 0 and ceiling == 4 * 1000 // 5 and 0 < rate <= ceiling * 1.05, r.stdout
+    r = subprocess.run([sys.executable, script, str(gpu_bundle_dir), "--prefix", "64", "--prompt-len", "8",
+                        "--requests", "3", "--port", "8798"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    times = re.search(r"first ([\d.]+) ms, then ([\d.]+), ([\d.]+) ms", r.stdout)
+    assert times and all(float(x) > 0 for x in times.groups()), r.stdout
