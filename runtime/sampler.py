@@ -85,8 +85,10 @@ def choose(logits: np.ndarray, p: SamplingParams | None, rng: np.random.Generato
     else:
         tokens, probs = candidates(logits, p)
         cdf = np.cumsum(probs)
-    # Generator.choice(len(cdf), p=cdf's probabilities)'s draw, without its checks of p
-    i = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+    # Generator.choice(len(cdf), p=...)'s draw without its checks of p: the cdf normalised to end at exactly 1, so a
+    # uniform < 1 never lands past the last token of nonzero weight (a constraint's masked tokens weigh 0)
+    cdf /= cdf[-1]
+    i = int(np.searchsorted(cdf, rng.random(), side="right"))
     return i if tokens is None else int(tokens[i])
 
 
