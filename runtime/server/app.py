@@ -12,6 +12,7 @@ import logging
 import time
 from importlib import resources
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -91,6 +92,11 @@ def _api(svc: Service, handler, endpoint: str, method_body: bool = True):
 
 def create_app(svc: Service) -> Starlette:
     page = resources.files("imp_runtime.server").joinpath("chat.html").read_text()
+    # anyio imports its asyncio backend on first use, which is the first streamed response's task group: that
+    # import (~50 ms) was most of the extra time to first token of a server's first request. Do it now (unless an
+    # event loop runs here already: then the first request still pays it).
+    with contextlib.suppress(RuntimeError):
+        anyio.run(anyio.sleep, 0)
 
     async def index(request: Request):
         return HTMLResponse(page)
