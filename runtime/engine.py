@@ -225,24 +225,18 @@ class Generation:
                 top = [(int(i), float(ls[i])) for i in idx]
         if tok in self.stop_ids:
             return self._finish(TokenEvent(tok, self.held, lp, top, "stop"))
-        delta = self.detok.add(tok)
-        if not self.stops:          # nothing is held back: the common case, per token of every stream
-            finish = "stop" if constraint and constraint.is_done() else "length" if len(self.out) == self.budget else None
-            return self._finish(TokenEvent(tok, delta, lp, top, finish)) if finish else TokenEvent(tok, delta, lp, top, None)
-        self.held += delta
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            return self._finish(TokenEvent(tok, self.held[:cut], lp, top, "stop"))
-        finish = None
-        if constraint and constraint.is_done():
-            finish = "stop"
-        elif len(self.out) == self.budget:
-            finish = "length"
-        keep = 0 if finish else _stop_prefix_len(self.held, self.stops)
-        text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        if finish:
-            return self._finish(TokenEvent(tok, text, lp, top, finish))
-        return TokenEvent(tok, text, lp, top, None)
+        text = self.detok.add(tok)
+        if self.stops:              # text that may start a stop string is held back until it cannot
+            self.held += text
+            cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                return self._finish(TokenEvent(tok, self.held[:cut], lp, top, "stop"))
+        finish = "stop" if constraint and constraint.is_done() else "length" if len(self.out) == self.budget else None
+        if self.stops:
+            keep = 0 if finish else _stop_prefix_len(self.held, self.stops)
+            text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        ev = TokenEvent(tok, text, lp, top, finish)
+        return self._finish(ev) if finish else ev
 
     def _finish(self, ev: TokenEvent) -> TokenEvent:
         self.finished = True

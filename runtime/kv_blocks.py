@@ -28,14 +28,10 @@ class BlockTable:
     keys: list[bytes] = field(default_factory=list)   # prefix keys of pages[:len(keys)], the full ones
 
 
-def prefix_key(previous: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(previous + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
-
-
 def prefix_keys(previous: bytes, tokens: list[int], first: int, end: int, page_size: int):
-    """prefix_key of pages first .. end - 1 of `tokens`, each chained on the one before (`previous`: page
-    first - 1's key), from one conversion of the tokens to bytes (a conversion a page was most of a warm
-    2,000-token prompt's lookup)."""
+    """The prefix keys of pages first .. end - 1 of `tokens`: a page's key is blake2b (16 bytes) of the key before
+    it (`previous` for page `first`: page first - 1's key, b"" for page 0) and its tokens as int64. The tokens
+    are converted to bytes once (a conversion a page was most of a warm 2,000-token prompt's lookup)."""
     raw, step = np.asarray(tokens[first * page_size:end * page_size], dtype=np.int64).tobytes(), page_size * 8
     for i in range(end - first):
         previous = hashlib.blake2b(previous + raw[i * step:(i + 1) * step], digest_size=16).digest()

@@ -145,14 +145,18 @@ def test_a_prefix_hit_needs_every_earlier_token_equal():
 
 
 def test_prefix_keys_are_the_page_by_page_chain():
-    """The bulk key chain (one conversion of the tokens) against prefix_key page by page, from the start and
-    from a page in the middle; a prefix shares keys, a changed token changes its page's key and every later one."""
-    from imp_runtime.kv_blocks import prefix_key, prefix_keys
+    """The key chain against the keys written out page by page (blake2b of the previous key and the page's int64
+    tokens), from the start and from a page in the middle; a prefix shares keys, a changed token changes its
+    page's key and every later one."""
+    import hashlib
+
+    from imp_runtime.kv_blocks import prefix_keys
     rng = np.random.default_rng(4)
     tokens, ps = rng.integers(0, 150000, 16 * 9 + 5).tolist(), 16
     chain, key = [], b""
     for i in range(9):
-        key = prefix_key(key, tokens[i * ps:(i + 1) * ps])
+        page = np.asarray(tokens[i * ps:(i + 1) * ps], np.int64).tobytes()
+        key = hashlib.blake2b(key + page, digest_size=16).digest()
         chain.append(key)
     assert list(prefix_keys(b"", tokens, 0, 9, ps)) == chain
     assert list(prefix_keys(chain[3], tokens, 4, 9, ps)) == chain[4:]
