@@ -60,7 +60,10 @@ def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str,
     out = {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
            "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
-           "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R))}
+           "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R)),
+           # a mixed step's prompt-ending chunks: the x row of each one's last token (gathered after the decode rows
+           # for the head and the sampler)
+           "chunk_last": ("i32", MAX_SEGMENTS)}
     if penalties:
         out.update({"repetition_penalty": ("f32", MB), "presence_penalty": ("f32", MB),
                     "frequency_penalty": ("f32", MB)})

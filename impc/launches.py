@@ -324,8 +324,16 @@ class ProgramBuilder(LinearLaunches):
 
         self.layers(e, ROWS, attention, dec=False, nb=0, split_k=self.opt.prefill_split_k)
         self.wg_layers = False
-        self.head(e, {"sym": "dec"}, dec=False, nb=0, split_k=False)
-        self.sample(e, {"sym": "dec"})
+        # the head and the sampler over the decode rows and, gathered after them, the last row of each chunk that
+        # ends its prompt (`schunks` of them, srows = dec + schunks): its first token is sampled here with the
+        # decode rows' tokens, and its logits need not come to the host
+        h = s.hidden
+        e.add("gather_rows_f32", ({"sym": "schunks", "ceil_div": 1 << 30},), (256,),
+              [ptr("x"), ptr("chunk_last"), i32({"sym": "dec"}), i32({"sym": "schunks"})],
+              [("x", chunk * h * 4), ("chunk_last", MAX_SEGMENTS * 4)], [("x", self.MB * h * 4)])
+        srows = {"sym": "srows"}
+        self.head(e, srows, dec=False, nb=0, split_k=False)
+        self.sample(e, srows)
         return Phase("prefill", chunk, tuple(e.launches))
 
     def logits(self, rows: int) -> Phase:
@@ -392,7 +400,8 @@ class ProgramBuilder(LinearLaunches):
                   "rows": self.R, "logit_rows": self.MB, "max_segments": MAX_SEGMENTS, "fa_query_tile": self.fa_qt,
                   "fa_tile_ints": FA_TILE_INTS}
         symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1,
-                   "dec": self.max_batch, "prows": self.R, "qtiles": max_tiles(self.R)}
+                   "dec": self.max_batch, "prows": self.R, "qtiles": max_tiles(self.R),
+                   "srows": self.max_batch, "schunks": MAX_SEGMENTS}
         return Program(target=self.target["name"], arena_bytes=self.arena_bytes, buffers=self.buffers, phases=phases,
                        symbols=symbols, kernel_smem=self.kernel_smem, constants=consts,
                        options={**self.opt.to_dict(), "gemv_max_rows": self.gemv_rows})

@@ -134,8 +134,9 @@ class Engine:
 class Generation:
     """One request's host side: its sampler, its detokenizer and the stop-string hold-back. The
     scheduler feeds it each step's result: `on_logits` where the request samples on the host (logprobs,
-    a token-mask constraint, penalties unless the executor applies them, and every first token, which comes
-    from a prefill's logits), `on_token` where the executor sampled it."""
+    a token-mask constraint, penalties unless the executor applies them, and a first token that comes from
+    a prefill's logits), `on_token` where the executor sampled it (decode rows, and a mixed step's prompt-ending
+    chunks on executors with `samples_chunks`)."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  constraint: Constraint | None):

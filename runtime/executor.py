@@ -21,8 +21,9 @@ A decode step may carry prefill chunks of other sequences (`decode_submit(rows, 
 `mixed_steps`; rows may then be empty): a mixed step. On the GPU the decode rows and the chunks of up to
 `max_segments` sequences then share one pass of prefill launches, so each layer weight is read once for all
 (a decode step of 64 rows alone costs about as much as 128 rows of prefill, and four 512-token prompts in one
-2048-row call prefill 1.4x as fast as one by one); each chunk's last-token logits come back with the step when
-it asks for them.
+2048-row call prefill 1.4x as fast as one by one); a chunk that ends its prompt gets its first token sampled
+in the step with the decode rows (`sample`, executors with `samples_chunks`) or its last-token logits back
+(`want_logits`, for a request the host samples).
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ class PrefillChunk:
     tokens: list[int]
     start: int
     want_logits: bool = False           # return the last token's logits (the chunk ends the prompt)
+    sample: bool = False                # sample the next token on the device (the chunk ends the prompt;
+                                        # executors with `samples_chunks`)
+    params: SamplingParams | None = None    # how, when `sample` (None: greedy)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class StepResult:
     logits: dict[int, np.ndarray] = field(default_factory=dict)   # row index -> float32 [vocab], rows that asked
     chunk_logits: list[np.ndarray | None] = field(default_factory=list)   # a mixed step's chunks' last-token
                                                                             # logits [vocab], where asked
+    chunk_tokens: list[int | None] = field(default_factory=list)   # each chunk's sampled next token, where asked
 
 
 class Executor(Protocol):
@@ -73,6 +78,8 @@ class Executor(Protocol):
     max_segments: int                   # chunks of distinct sequences one step takes at most
     penalties_on_device: bool           # the step applies each row's repetition / presence / frequency penalties
                                         # itself (init_penalties first); else such rows are sampled on the host
+    samples_chunks: bool                # a mixed step samples a prompt-ending chunk's first token itself
+                                        # (PrefillChunk.sample): its logits need not come to the host
 
     def new_sequence(self) -> int: ...
     def set_pages(self, sid: int, pages: list[int]) -> None:

@@ -115,6 +115,7 @@ class CpuExecutor:
     async_decode = False                   # decode_submit computes the step before it returns
     mixed_steps = False                    # a mixed step costs what its parts do: the scheduler keeps them apart
     penalties_on_device = False            # the engine applies penalties on the host (it gets such rows' logits)
+    samples_chunks = True                  # a mixed step's prompt-ending chunk gets its first token as a decode row
     max_segments = 16                      # (when a test mixes them anyway)
 
     def __post_init__(self):
@@ -231,6 +232,12 @@ class CpuExecutor:
         for c in chunks or []:     # other sequences: their prefills are independent of the decode rows
             logits = self.prefill(c.sid, c.tokens, c.start)
             result.chunk_logits.append(logits if c.want_logits else None)
+            tok = None
+            if c.sample:           # as a decode row draws its token (the new token's position seeds the draw)
+                seeded = c.params is not None and c.params.seed is not None
+                end = c.start + len(c.tokens)
+                tok = choose(logits, c.params, step_rng(c.params.seed, end) if seeded else self._rng)
+            result.chunk_tokens.append(tok)
         return result
 
     def decode_collect(self, handle: StepResult) -> StepResult:

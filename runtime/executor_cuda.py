@@ -24,6 +24,7 @@ from imp_runtime.cuda_arena import NP_DTYPES, DeviceArena
 from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod
 from imp_runtime.cuda_program import BoundPhase
 from imp_runtime.executor import PrefillChunk, StepResult, StepRow
+from imp_runtime.sampler import SamplingParams
 
 __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
 
@@ -46,6 +47,8 @@ class _Launched:
     rows: int
     want_logits: list[int]              # rows whose logits follow the sampled ids in out_host
     chunk_logits: list[bool] = field(default_factory=list)   # the step's chunks whose last-token logits follow
+    chunk_sample: list[bool] = field(default_factory=list)   # ... and those whose first token the step sampled
+    chunk_head: list[bool] = field(default_factory=list)     # chunks whose last row the step's head took
 
 
 class CudaExecutor:
@@ -80,6 +83,7 @@ class CudaExecutor:
         # several sequences' chunks in one prefill call (bundles compiled before it: one, and no tile table)
         self.max_segments = c.get("max_segments", 1)
         self.mixed_steps = "dec" in p.symbols       # prefill phases that carry decode rows
+        self.samples_chunks = "srows" in p.symbols   # ... and sample prompt-ending chunks' first tokens with them
         self.penalty_values = "pen_counts" in p.buffers         # compiled with --gpu-penalties: the step applies
         self.penalties_on_device = self.penalty_values          # each row's (a caller may leave them to the host)
         self.fa_qtile, self.fa_tile_ints = c.get("fa_query_tile", 128), c.get("fa_tile_ints", 8)
@@ -98,7 +102,7 @@ class CudaExecutor:
         self.step_host = PinnedBuffer(step_bytes)
         self.step = {b.name: self.step_host.view(b.offset - self.step_off, NP_DTYPES[b.dtype], b.shape[0])
                      for b in p.buffers.values() if b.kind == "step"}
-        logit_rows = p.buffers["logits"].shape[0]
+        self.logit_rows = logit_rows = p.buffers["logits"].shape[0]
         self.out_host = PinnedBuffer(4 * (logit_rows + self.max_segments) * (1 + self.vocab))   # + chunks' logits
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
@@ -191,12 +195,15 @@ class CudaExecutor:
             return np.concatenate(rows)
         return self._logits(t - 1, 1)[0]
 
-    def _prefill_rows(self, n_dec: int, chunks: list[PrefillChunk]) -> tuple[BoundPhase, dict[str, int]]:
+    def _prefill_rows(self, n_dec: int, chunks: list[PrefillChunk],
+                      head: list[bool] | None = None) -> tuple[BoundPhase, dict[str, int]]:
         """The chunks' step values (their rows follow n_dec decode rows) and the attention's tile table into
         step_host; the prefill phase that runs them (one chunk: the smallest that holds every row; several: the
-        largest, whose attention walks the tile table) and its per-step symbols."""
-        st, r, segments = self.step, n_dec, []
-        for c in chunks:
+        largest, whose attention walks the tile table) and its per-step symbols. `head`: the chunks whose last
+        row the head and the sampler take, after the decode rows (their sampling values into step_host too)."""
+        st, r, segments, heads = self.step, n_dec, [], 0
+        head = head or [False] * len(chunks)
+        for c, h in zip(chunks, head):
             seq, t = self._seqs[c.sid], len(c.tokens)
             st["tokens"][r:r + t] = c.tokens
             pos = np.arange(c.start, c.start + t)
@@ -205,12 +212,16 @@ class CudaExecutor:
             st["kv_slots"][r:r + t] = np.asarray(seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
             segments.append((r, t, c.start, seq.slot))
             r += t
+            if h:                                          # the head's row n_dec + heads: its last token
+                st["chunk_last"][heads] = r - 1
+                self._sampling_values(n_dec + heads, seq, c.params if c.sample else None, c.start + t - 1)
+                heads += 1
         qtiles = self.write_tiles(segments)
         bucket = self.prefill_buckets[-1] if len(chunks) > 1 else next(b for b in self.prefill_buckets if b >= r)
         first = chunks[0]
         return self.phases[("prefill", bucket)], {"rows": r, "dec": n_dec, "prows": len(first.tokens),
                                                   "start": first.start, "slot": self._seqs[first.sid].slot,
-                                                  "qtiles": qtiles}
+                                                  "qtiles": qtiles, "srows": n_dec + heads, "schunks": heads}
 
     def write_tiles(self, segments: list[tuple[int, int, int, int]], send: bool = False) -> int:
         """The largest prefill phase's attention tile table in step_host (sent when asked) from each chunk's
@@ -245,8 +256,9 @@ class CudaExecutor:
     def decode_submit(self, rows: list[StepRow], chunks: list[PrefillChunk] | None = None) -> _Launched:
         """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
         ids (and asked-for logits) into out_host; no wait for the GPU. With prefill chunks of other sequences (a
-        mixed step; rows may then be empty): the decode rows ride in the chunks' prefill launches, run eagerly,
-        and each chunk that asks for them gets its last token's logits."""
+        mixed step; rows may then be empty): the decode rows ride in the chunks' prefill launches, run eagerly;
+        a chunk that ends its prompt gets its first token sampled with them (`sample`) or its last token's logits
+        (`want_logits`)."""
         chunks = chunks or []
         n, t = len(rows), sum(len(c.tokens) for c in chunks)
         if not (1 if not chunks else 0) <= n <= self.max_batch:
@@ -261,6 +273,7 @@ class CudaExecutor:
                 if c.start + len(c.tokens) > self.max_context:
                     raise ValueError(f"sequence of {c.start + len(c.tokens)} tokens exceeds the context of "
                                      f"{self.max_context}")
+        head = self._head_rows(n, chunks)
         # step_host is one page-locked buffer: the last copy out of it (a decode's or a prefill's) must be
         # done before it is rewritten. A pipelining caller has collected the previous step already, so the
         # stream is idle and this costs a few microseconds.
@@ -270,25 +283,46 @@ class CudaExecutor:
             self._send_step()
             self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
         else:       # the chunks' rows follow the decode rows
-            phase, env = self._prefill_rows(n, chunks)
+            phase, env = self._prefill_rows(n, chunks, head)
             self._send_step()
             phase.run(self.stream, env)
-        if n:
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * n, self.stream))
+        # the sampled ids of the decode rows and of the chunks' head rows after them (out_host's first words), then
+        # the logits rows asked for: decode rows', then chunks' (head row n + k for the k-th chunk with a head row)
+        ids = n + sum(head)
+        if ids:
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * ids, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
+        want += [n + k for k, c in enumerate(c for c, h in zip(chunks, head) if h) if c.want_logits]
         row_bytes = 4 * self.vocab
         for k, i in enumerate(want):
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * n + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
+            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * ids + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
                                        row_bytes, self.stream))
-        at, last = 4 * n + len(want) * row_bytes, n
-        for c in chunks:       # after the copies above: each rewrites logits row 0
-            last += len(c.tokens)
-            if c.want_logits:
+        at, last = 4 * ids + len(want) * row_bytes, n
+        for c, h in zip(chunks, head):      # chunks the head did not take: a logits call each, after the copies
+            last += len(c.tokens)           # above (each rewrites logits row 0)
+            if c.want_logits and not h:
                 self.phases[("logits", self.logits_buckets[0])].run(self.stream, {"rows": 1, "row0": last - 1})
                 check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + at, self.arena.ptr("logits"), row_bytes, self.stream))
                 at += row_bytes
         self._launched += 1
-        return _Launched(self._launched, n, want, [c.want_logits for c in chunks])
+        return _Launched(self._launched, n, want, [c.want_logits for c in chunks], [c.sample for c in chunks], head)
+
+    def _head_rows(self, n: int, chunks: list[PrefillChunk]) -> list[bool]:
+        """Which chunks' last rows the step's head takes after its n decode rows: every chunk sampled in the step,
+        then those asking for logits while the logits buffer has rows (the others get a logits call each)."""
+        sampled = sum(c.sample for c in chunks)
+        if sampled and not self.samples_chunks:
+            raise ValueError("this bundle's prefill does not sample (compiled before it did): ask for logits")
+        spare = self.logit_rows - n - sampled if self.samples_chunks else 0
+        if spare < 0:
+            raise ValueError(f"a step samples at most {self.logit_rows} rows, not {n} decode rows and {sampled} "
+                             f"prompt-ending chunks")
+        head = []
+        for c in chunks:
+            take = c.sample or (c.want_logits and spare > 0)
+            spare -= take and not c.sample
+            head.append(take)
+        return head
 
     def _write_step_values(self, rows: list[StepRow]) -> int:
         """The decode step's values into step_host, padding rows up to the graph bucket; the bucket."""
@@ -297,21 +331,10 @@ class CudaExecutor:
         st = self.step
         for i, r in enumerate(rows):
             seq = self._seqs[r.sid]
-            p = r.params
             st["tokens"][i], st["positions"][i] = r.token, r.position
             st["kv_slots"][i] = self._kv_slot(seq, r.position)
-            st["seq_slot"][i], st["seq_len"][i] = seq.slot, r.position + 1
-            st["temperature"][i] = p.temperature if p else 0.0
-            st["top_k"][i] = p.top_k if p else 0
-            st["top_p"][i] = p.top_p if p else 1.0
-            st["min_p"][i] = p.min_p if p else 0.0
-            st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
-            st["step"][i] = r.position
-            if self.penalty_values:       # every row's, whoever applies them (a host-sampled row: params None, none)
-                rep, pres, freq = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) if p else (1.0, 0.0, 0.0)
-                if (rep != 1.0 or pres != 0.0 or freq != 0.0) and not seq.penalties:
-                    raise ValueError(f"sequence {r.sid} samples with penalties before init_penalties")
-                st["repetition_penalty"][i], st["presence_penalty"][i], st["frequency_penalty"][i] = rep, pres, freq
+            st["seq_len"][i] = r.position + 1
+            self._sampling_values(i, seq, r.params, r.position)
         pads = [("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1), ("temperature", 0.0)]
         if self.penalty_values:
             pads += [("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
@@ -319,20 +342,46 @@ class CudaExecutor:
             st[name][n:b] = pad
         return b
 
+    def _sampling_values(self, i: int, seq: _Seq, p: SamplingParams | None, position: int) -> None:
+        """Row i's sampling values in step_host: its sequence's slot, its parameters (None: greedy) and the position
+        of the token it feeds (the seeded draw's step)."""
+        st = self.step
+        st["seq_slot"][i] = seq.slot
+        st["temperature"][i] = p.temperature if p else 0.0
+        st["top_k"][i] = p.top_k if p else 0
+        st["top_p"][i] = p.top_p if p else 1.0
+        st["min_p"][i] = p.min_p if p else 0.0
+        st["seed"][i] = (p.seed if p and p.seed is not None else 0) & 0xFFFFFFFFFFFFFFFF
+        st["step"][i] = position
+        if self.penalty_values:       # every row's, whoever applies them (a host-sampled row: params None, none)
+            rep, pres, freq = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) if p else (1.0, 0.0, 0.0)
+            if (rep != 1.0 or pres != 0.0 or freq != 0.0) and not seq.penalties:
+                raise ValueError(f"a sequence (slot {seq.slot}) samples with penalties before init_penalties")
+            st["repetition_penalty"][i], st["presence_penalty"][i], st["frequency_penalty"][i] = rep, pres, freq
+
     def decode_collect(self, handle: _Launched) -> StepResult:
         """Wait for the step (the driver releases the GIL while it blocks) and read out_host."""
         if handle.number != self._launched:      # out_host holds a later step's results now
             raise RuntimeError(f"decode step {handle.number} was collected after step {self._launched} was launched")
         check(cu.cuStreamSynchronize(self.stream))
         n, row_bytes = handle.rows, 4 * self.vocab
-        sampled = self.out_host.view(0, np.int32, n).tolist()
-        logits = {i: self.out_host.view(4 * n + k * row_bytes, np.float32, self.vocab).copy()
-                  for k, i in enumerate(handle.want_logits)}
-        chunks, at = [], 4 * n + len(handle.want_logits) * row_bytes
-        for wanted in handle.chunk_logits:
-            chunks.append(self.out_host.view(at, np.float32, self.vocab).copy() if wanted else None)
-            at += row_bytes if wanted else 0
-        return StepResult(sampled, logits, chunks)
+        heads = handle.chunk_head
+        ids = n + sum(heads)
+        sampled = self.out_host.view(0, np.int32, ids).tolist() if ids else []
+        rows = {i: self.out_host.view(4 * ids + k * row_bytes, np.float32, self.vocab).copy()
+                for k, i in enumerate(handle.want_logits)}
+        logits = {i: v for i, v in rows.items() if i < n}
+        tokens, chunks, k, at = [], [], n, 4 * ids + len(handle.want_logits) * row_bytes
+        for j, (wanted, sample) in enumerate(zip(handle.chunk_logits, handle.chunk_sample)):
+            if heads[j]:
+                chunks.append(rows[k] if wanted else None)
+                tokens.append(sampled[k] if sample else None)
+                k += 1
+            else:
+                chunks.append(self.out_host.view(at, np.float32, self.vocab).copy() if wanted else None)
+                tokens.append(None)
+                at += row_bytes if wanted else 0
+        return StepResult(sampled[:n], logits, chunks, tokens)
 
     # ------------------------------------------------------------------ the rest
 
@@ -342,6 +391,8 @@ class CudaExecutor:
         e = dict(self.program.symbols, rows=tokens, dec=0)
         e.update(env or {})
         e["prows"] = (env or {}).get("prows", e["rows"] - e["dec"])    # a chunk without decode rows unless env says
+        e["schunks"] = (env or {}).get("schunks", 0)                    # ... and no chunk's first token sampled
+        e["srows"] = (env or {}).get("srows", e["dec"] + e["schunks"])
         bound.run(self.stream, e)
 
     def synchronize(self) -> None:

@@ -15,8 +15,9 @@ symbol `{"sym": name, "mul": a, "ceil_div": d, "add": c}` = ceil(sym * a / d) + 
 symbols (their per-step values live in the `step` buffers, so a phase is captured once as a CUDA graph);
 prefill and logits phases use `rows` (rows of x in this call), `dec` and `prows` (a prefill call's
 decode rows riding along, rows 0 .. dec-1, and its chunk's tokens, rows dec .. rows-1), `start` (position of the
-chunk's first token), `slot` (the chunk's sequence's block-table row) and `row0` (first row of x the logits are
-taken from). `symbols` gives each symbol's largest value, which validation uses to bound every reference; a
+chunk's first token), `slot` (the chunk's sequence's block-table row), `row0` (first row of x the logits are
+taken from), `schunks` (the prompt-ending chunks whose first token the call samples) and `srows` (= dec + schunks,
+the rows of its head and sampler). `symbols` gives each symbol's largest value, which validation uses to bound every reference; a
 launch whose grid evaluates to zero blocks at a step's values is skipped that step.
 
 `validate` is run by the compiler before it writes a bundle and by the runtime when it loads one, so a

@@ -106,6 +106,7 @@ class StepTimes:
     IMP_STEP_STATS=N set, a log line every N steps."""
     steps: int = 0
     mixed_steps: int = 0         # decode steps that carried a prefill chunk
+    first_on_device: int = 0     # prompt-ending chunks whose first token such a step sampled
     decode_rows: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
@@ -118,6 +119,11 @@ class StepTimes:
         return (f"{self.steps} steps ({self.mixed_steps} mixed), {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
                 f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f} "
                 f"(of which {1e3 * self.hidden_s / n:.2f} while the device decodes)")
+
+
+def _chunk_tokens(result) -> list[int | None]:
+    """A step result's chunks' sampled first tokens (None each where the executor sampled none)."""
+    return result.chunk_tokens or [None] * len(result.chunk_logits)
 
 
 _log = logging.getLogger("imp.scheduler")
@@ -137,6 +143,11 @@ class Scheduler:
         self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0         # of which found
         self.preemptions = 0
+
+    @property
+    def sample_chunks(self) -> bool:
+        """A mixed step samples each prompt-ending chunk's first token on the device: its logits stay there."""
+        return self.config.mixed and getattr(self.executor, "samples_chunks", False)
 
     # --- any thread ---
 
@@ -197,7 +208,8 @@ class Scheduler:
                 rows = [r for r in rows if r.sid is not None]
                 chunks = [(r, n) for r, n in chunks if r.sid is not None]
             rides: list[tuple[Request, int]] = []     # chunks run in the decode step's launches (a mixed step)
-            if self.config.mixed and chunks and (rows or len(chunks) > 1):
+            # (a lone chunk rides too where the step samples its first token: one launch, no logits to the host)
+            if self.config.mixed and chunks and (rows or len(chunks) > 1 or self.sample_chunks):
                 room, most = self.config.prefill_chunk - len(rows), getattr(self.executor, "max_segments", 1)
                 while chunks and len(rides) < most and chunks[0][1] <= room:
                     room -= chunks[0][1]
@@ -304,9 +316,16 @@ class Scheduler:
         chunks = []
         for req, n in rides:
             self._send_pages(req)
-            tokens = req.gen.kv_tokens()
+            g = req.gen
+            tokens = g.kv_tokens()
+            first = req.computed + n == len(tokens) and not g.out        # the chunk ends the prompt: the first token
+            sample = first and self.sample_chunks and not g.host_sampled
+            if sample and g.penalised and req.penalty_sid != req.sid:   # the device penalty state, before its use
+                self.executor.init_penalties(req.sid, g.prompt_ids, dict(g.sampler.out_counts))
+                req.penalty_sid = req.sid
             chunks.append(PrefillChunk(req.sid, tokens[req.computed:req.computed + n], req.computed,
-                                       want_logits=req.computed + n == len(tokens) and not req.gen.out))
+                                       want_logits=first and not sample, sample=sample, params=g.params))
+            self.times.first_on_device += sample
         self.times.mixed_steps += bool(chunks)
         return chunks
 
@@ -316,9 +335,9 @@ class Scheduler:
         if req.computed % self.blocks.page_size == 0:
             self.blocks.commit(req.table, req.gen.tokens(), req.computed)
 
-    def _chunk_done(self, ride: tuple[Request, int], logits) -> list[StepOutput]:
+    def _chunk_done(self, ride: tuple[Request, int], logits, token: int | None = None) -> list[StepOutput]:
         """A prefill chunk's KV is written (alone or riding in a step): the prefix cache learns its pages; a chunk
-        that ends the prompt gives the first token."""
+        that ends the prompt gives the first token (sampled by the step, or from its logits here)."""
         req, n = ride
         if req.done:
             return []
@@ -326,6 +345,8 @@ class Scheduler:
         req.computed += n
         self.blocks.commit(req.table, tokens, req.computed)
         if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
+            if token is not None:
+                return [self._advance(req, lambda g: g.on_token(token))]
             return [self._advance(req, lambda g: g.on_logits(logits))]
         return []       # (a request recomputed after preemption already has its next token: gen.pending)
 
@@ -360,8 +381,8 @@ class Scheduler:
             self._decoded(req)
             out.append(self._advance(req, lambda g, i=i: g.on_logits(result.logits[i]) if g.host_sampled
                                      else g.on_token(result.tokens[i])))
-        for ride, logits in zip(rides, result.chunk_logits):
-            out += self._chunk_done(ride, logits)
+        for ride, logits, tok in zip(rides, result.chunk_logits, _chunk_tokens(result)):
+            out += self._chunk_done(ride, logits, tok)
         return out
 
     def _launch(self, rows: list[Request], rides: list[tuple[Request, int]] = ()) -> list[StepOutput]:
@@ -408,7 +429,8 @@ class Scheduler:
             if req.gen.record(tok):
                 self._finish(req)
             landed.append((req, tok))
-        done = [o for ride, logits in zip(flight.chunks, result.chunk_logits) for o in self._chunk_done(ride, logits)]
+        done = [o for ride, logits, tok in zip(flight.chunks, result.chunk_logits, _chunk_tokens(result))
+                for o in self._chunk_done(ride, logits, tok)]
         return done, landed
 
     def _describe(self, landed: list[tuple[Request, int]]) -> list[StepOutput]:

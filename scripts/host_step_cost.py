@@ -48,6 +48,7 @@ class SimulatedGpu:
     async_decode = True
     _kv_slot = CudaExecutor._kv_slot
     _write_step_values = CudaExecutor._write_step_values
+    _sampling_values = CudaExecutor._sampling_values
 
     def __init__(self, bundle, gpu_s: float, vocab: int, seed: int = 0):
         target = bundle.manifest["kernels"]["targets"][0]

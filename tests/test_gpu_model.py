@@ -101,9 +101,10 @@ def test_decode_batch_above_gemv_rows_vs_cpu(name, b):
 def test_mixed_step_vs_cpu(b, ts, prefix):
     """A mixed step: b decode rows riding in the prefill launches of other sequences' chunks of ts tokens (one
     chunk: the smallest prefill phase holding every row, 128, 256 or the 512 chunk; several: the 512 chunk's
-    phase, its attention over a tile table). Every decode row's logits and each chunk's last-token logits against
-    the cpu executor's decode and prefill; the GPU-sampled greedy tokens are the argmax of the GPU's own logits;
-    each chunk's KV is right (the next decode step of its sequence agrees too)."""
+    phase, its attention over a tile table). Every decode row's logits and each chunk's last-token logits (its row
+    gathered after the decode rows for the head) against the cpu executor's decode and prefill; the GPU-sampled
+    greedy tokens, the decode rows' and each chunk's first, are the argmax of the GPU's own logits; each chunk's KV
+    is right (the next decode step of its sequence agrees too)."""
     from imp_runtime.executor import PrefillChunk, StepRow
     cpu, gpu = executors(gpu_bundle("qwen3"))
     try:
@@ -123,7 +124,8 @@ def test_mixed_step_vs_cpu(b, ts, prefix):
                     o.prefill(text[:prefix])
                 o._cover(prefix + t + 1)
             rows = [StepRow(s.sid, tok, s.length, want_logits=True) for s, tok in zip(seqs, nxt)]
-            chunks = [PrefillChunk(o.sid, text[prefix:prefix + t], prefix, want_logits=True)
+            sample = b + len(ts) <= gpu.logit_rows      # (64 decode rows leave the head no row to sample in)
+            chunks = [PrefillChunk(o.sid, text[prefix:prefix + t], prefix, want_logits=True, sample=sample)
                       for o, t, text in zip(others, ts, texts)]
             res = ex.decode_collect(ex.decode_submit(rows, chunks))
             after = []
@@ -131,12 +133,63 @@ def test_mixed_step_vs_cpu(b, ts, prefix):
                 o.length = prefix + t
                 after.append(o.decode(text[-1]))       # reads the chunk's KV
             out[name] = (np.stack([res.logits[i] for i in range(b)]) if b else np.zeros(1), np.stack(res.chunk_logits),
-                         np.stack(after), res.tokens)
+                         np.stack(after), res.tokens, res.chunk_tokens)
             for s in seqs + others:
                 s.close()
         for k in (0, 1, 2) if b else (1, 2):
             assert rel(out["gpu"][k], out["cpu"][k]) <= 2e-2
         assert out["gpu"][3] == (np.argmax(out["gpu"][0], axis=1).tolist() if b else [])
+        if b + len(ts) <= gpu.logit_rows:
+            assert out["gpu"][4] == np.argmax(out["gpu"][1], axis=1).tolist()
+    finally:
+        gpu.close()
+
+
+def test_mixed_step_samples_first_tokens_with_each_chunks_parameters():
+    """A mixed step's prompt-ending chunks sampled in the step, each with its own parameters, beside a decode row:
+    twin chunks (the same tokens at the same positions in two sequences, so the same logits) -- one returning its
+    logits, the other sampled greedily, then (the same step again) with a repetition penalty (its prompt and the
+    twin's top token seen) and a presence penalty (the runner-up counted as drawn once): first the twin's argmax, then
+    the argmax of the twin's logits penalised by the host sampler (runtime/sampler.py), which is neither; seeded draws
+    at temperature 2 depend on the seed only (two chunks with one seed agree, eight seeds give several tokens)."""
+    from imp_runtime.executor import PrefillChunk, StepRow
+    from imp_runtime.sampler import Sampler, SamplingParams
+    _, gpu = executors(gpu_bundle("qwen3-pen"))      # (the bundle compiled with --gpu-penalties)
+    try:
+        if not gpu.samples_chunks:
+            pytest.skip("the bundle's prefill does not sample")
+        rng = np.random.default_rng(5)
+        row = solo(gpu)
+        row.prefill(rng.integers(4, gpu.spec.vocab_size, 20).tolist())
+        row._cover(row.length + 2)
+        text = rng.integers(4, 40, 30).tolist()           # few distinct tokens: the penalty has work to do
+        pen = SamplingParams(temperature=0.0, repetition_penalty=50.0, presence_penalty=2.0)
+        seeded = [SamplingParams(temperature=2.0, seed=s) for s in (7, 7, 1, 2, 3, 4, 5, 6, 8, 9)]
+        seqs = [solo(gpu) for _ in range(2 + len(seeded))]
+        for s in seqs:
+            s._cover(len(text) + 1)
+
+        def step(params):
+            chunks = [PrefillChunk(seqs[0].sid, text, 0, want_logits=True),
+                      PrefillChunk(seqs[1].sid, text, 0, sample=True, params=params)]
+            chunks += [PrefillChunk(s.sid, text, 0, sample=True, params=p) for s, p in zip(seqs[2:], seeded)]
+            return gpu.decode_collect(gpu.decode_submit([StepRow(row.sid, 9, row.length)], chunks))
+
+        first = step(None)
+        top, second = (int(i) for i in np.argsort(-first.chunk_logits[0])[:2])
+        assert first.chunk_tokens[1] == top
+        gpu.init_penalties(seqs[1].sid, text + [top], {second: 1})
+        res = step(pen)
+        assert res.chunk_tokens[0] is None and res.chunk_logits[1] is None and len(res.tokens) == 1
+        assert np.array_equal(res.chunk_logits[0], first.chunk_logits[0]), "the same step, other logits"
+        host = Sampler(pen, text + [top])
+        host.out_counts = {second: 1}
+        assert res.chunk_tokens[1] == int(np.argmax(host.penalise(res.chunk_logits[0]))) not in (top, second)
+        draws = res.chunk_tokens[2:]
+        assert draws == first.chunk_tokens[2:]
+        assert draws[0] == draws[1] and len(set(draws)) >= 3, draws
+        for s in seqs + [row]:
+            s.close()
     finally:
         gpu.close()
 

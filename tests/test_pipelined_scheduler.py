@@ -269,7 +269,8 @@ def test_pipelined_scheduler_keeps_every_page_accounted_for(bundles, mixed):
 @pytest.mark.parametrize("mode", MODES)
 def test_mixed_steps_give_the_events_of_separate_ones(engines, mode):
     """Prompts arriving while others decode, in chunks of a small step budget, each chunk riding in a decode
-    step (mixed, pipelined and serial): the events of a scheduler that runs prefill and decode apart. On the
+    step (mixed, pipelined and serial), the last one's first token sampled in that step unless the request samples
+    on the host: the events of a scheduler that runs prefill and decode apart. On the
     GPU a decode row computed in a prefill launch takes other kernels than in a decode graph (rounding may
     differ), so there the oracle is the serial mixed scheduler."""
     ps = prompts(6, 50, seed=3)
@@ -280,10 +281,11 @@ def test_mixed_steps_give_the_events_of_separate_ones(engines, mode):
         eng.scheduler.config.step_tokens = 24          # prompts of 50+ tokens take several steps' chunks
         eng.scheduler.config.max_running = 4           # and the last two arrive while the first decode
         events, reqs, _ = run(eng, cases)
-        return events, eng.scheduler.times.mixed_steps
-    oracle, none = served(False, mode == "cuda")
+        return events, eng.scheduler.times.mixed_steps, eng.scheduler.times.first_on_device
+    oracle, none, _ = served(False, mode == "cuda")
     assert none == 0 or mode == "cuda"
     for pipeline in (False, True):
-        events, mixed = served(pipeline, True)
+        events, mixed, first = served(pipeline, True)
         assert mixed >= 4                              # chunks did ride in decode steps
-        assert events == oracle
+        assert first == 5                              # every first token but the host-sampled request's: sampled
+        assert events == oracle                        # in the step (on the cpu: as the host samples a prefill's)

@@ -246,3 +246,27 @@ def test_serve_host_cost_script_runs(gpu_bundle_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     times = re.search(r"first ([\d.]+) ms, then ([\d.]+), ([\d.]+) ms", r.stdout)
     assert times and all(float(x) > 0 for x in times.groups()), r.stdout
+
+
+def test_a_steps_head_takes_sampled_chunks_first():
+    """Which prompt-ending chunks' last rows a mixed step's head takes after its decode rows (the cuda executor's
+    host side): every chunk sampled in the step; chunks asking for logits while rows are left (the rest get a logits
+    call each); too many sampled chunks for the logits rows, or sampling on a bundle whose prefill does not sample,
+    is a one-line error."""
+    from imp_runtime.executor import PrefillChunk
+    from imp_runtime.executor_cuda import CudaExecutor
+    ex = object.__new__(CudaExecutor)        # the host logic only: no device
+    ex.samples_chunks, ex.logit_rows = True, 8
+
+    def chunk(sample=False, want=False):
+        return PrefillChunk(0, [1], 0, want_logits=want, sample=sample)
+    mixed = [chunk(want=True), chunk(sample=True), chunk(), chunk(want=True), chunk(sample=True), chunk(want=True)]
+    assert ex._head_rows(2, mixed) == [True, True, False, True, True, True]
+    assert ex._head_rows(5, mixed) == [True, True, False, False, True, False]     # 3 rows: 2 sampled, 1 logits
+    assert ex._head_rows(6, mixed) == [False, True, False, False, True, False]
+    with pytest.raises(ValueError, match="samples at most 8 rows"):
+        ex._head_rows(7, mixed)
+    ex.samples_chunks = False
+    assert ex._head_rows(0, [chunk(want=True)]) == [False]
+    with pytest.raises(ValueError, match="does not sample"):
+        ex._head_rows(0, [chunk(sample=True)])

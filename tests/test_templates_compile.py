@@ -7,7 +7,7 @@ import pytest
 
 from imp_runtime.spec import ModelSpec, RopeScaling
 
-EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "rmsnorm_residual", "rmsnorm_add",
+EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rmsnorm_residual", "rmsnorm_add",
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
             "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "attn_prefill_merge", "gemm_nvfp4_f16",
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
