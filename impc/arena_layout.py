@@ -57,7 +57,7 @@ def max_tiles(rows: int) -> int:
 def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str, tuple[str, int]]:
     """The values the host sends each step (one contiguous copy): name -> (dtype, count)."""
     R, MB = rows, logit_rows
-    out = {"tokens": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
+    out = {"tokens": ("i32", R), "token_src": ("i32", R), "positions": ("i32", R), "kv_slots": ("i32", R), "seq_slot": ("i32", MB),
            "seq_len": ("i32", MB), "top_k": ("i32", MB), "step": ("i32", MB), "temperature": ("f32", MB),
            "top_p": ("f32", MB), "min_p": ("f32", MB), "seed": ("u64", MB),
            "fa_tiles": ("i32", FA_TILE_INTS * max_tiles(R)),

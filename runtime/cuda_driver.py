@@ -95,6 +95,11 @@ class Module:
                                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
 
 
+def new_event():
+    """An event without timing (the cheapest to record and wait for)."""
+    return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value))
+
+
 def htod(dst: int, arr: np.ndarray, stream) -> None:
     arr = np.ascontiguousarray(arr)
     if arr.nbytes:

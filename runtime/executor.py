@@ -14,8 +14,10 @@ penalties otherwise, or a token-mask constraint, which the engine then applies o
 A decode step is launched and read in two calls, so the host can work while the device computes:
 `decode_submit` writes the step's values and launches it, `decode_collect` waits for it and reads the
 sampled tokens. Between them the caller may do host work and call `set_pages`, `new_sequence`, `free` and
-`prefill` (device work queued behind the step, in order); it must collect a step before submitting the
-next. `decode` is both at once.
+`prefill` (device work queued behind the step, in order). It may submit the next step before collecting one
+(two in flight at most; collect in order; a step not collected by the time the one after the next is submitted
+is dropped): on executors with `feeds_sampled` the next step's rows then feed the tokens the previous step
+samples without the host reading them (StepRow.token None). `decode` is both at once.
 
 A decode step may carry prefill chunks of other sequences (`decode_submit(rows, chunks)`, executors with
 `mixed_steps`; rows may then be empty): a mixed step. On the GPU the decode rows and the chunks of up to
@@ -39,7 +41,8 @@ from imp_runtime.sampler import SamplingParams
 class StepRow:
     """One sequence's row in a decode step."""
     sid: int
-    token: int                          # the token this step feeds (its KV lands at `position`)
+    token: int | None                   # the token this step feeds (its KV lands at `position`); None: the one the
+                                        # previous step sampled for sid, fed on the device (`feeds_sampled`)
     position: int                       # = the sequence's length before the step
     params: SamplingParams | None = None   # None: greedy
     want_logits: bool = False           # copy this row's logits to the host
@@ -78,6 +81,8 @@ class Executor(Protocol):
     max_segments: int                   # chunks of distinct sequences one step takes at most
     penalties_on_device: bool           # the step applies each row's repetition / presence / frequency penalties
                                         # itself (init_penalties first); else such rows are sampled on the host
+    feeds_sampled: bool                 # a step row may feed the token the previous step sampled for its
+                                        # sequence, on the device (StepRow.token None)
     samples_chunks: bool                # a mixed step samples a prompt-ending chunk's first token itself
                                         # (PrefillChunk.sample): its logits need not come to the host
 

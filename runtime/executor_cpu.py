@@ -116,6 +116,7 @@ class CpuExecutor:
     mixed_steps = False                    # a mixed step costs what its parts do: the scheduler keeps them apart
     penalties_on_device = False            # the engine applies penalties on the host (it gets such rows' logits)
     samples_chunks = True                  # a mixed step's prompt-ending chunk gets its first token as a decode row
+    feeds_sampled = True                   # StepRow.token None: the token the previous step sampled for the row
     max_segments = 16                      # (when a test mixes them anyway)
 
     def __post_init__(self):
@@ -142,6 +143,7 @@ class CpuExecutor:
         self._seqs: dict[int, _Sequence] = {}
         self._next = 1
         self._rng = np.random.default_rng()      # rows sampled without a seed
+        self._last_sampled: dict[int, int] = {}   # sid -> the token the last step sampled for it
 
     def commit_pool(self) -> None:
         """Write the whole KV pool once, so the OS backs every page now. The block manager keeps finished
@@ -219,16 +221,24 @@ class CpuExecutor:
             kv = np.take(self.kv[layer], page_matrix, axis=1).reshape(2, len(rows), -1, s.n_kv_heads, s.head_dim)
             return decode_attention(q, kv[0], kv[1], pos + 1, s.softmax_scale, window)
 
-        h = self._forward(np.asarray([r.token for r in rows], dtype=np.int64), pos, slots, attend)
+        fed = []
+        for r in rows:              # token None: the one the previous step sampled for the sequence
+            if r.token is None and r.sid not in self._last_sampled:
+                raise ValueError(f"sequence {r.sid} has no token sampled by the previous step to feed")
+            fed.append(self._last_sampled[r.sid] if r.token is None else r.token)
+        h = self._forward(np.asarray(fed, dtype=np.int64), pos, slots, attend)
         logits = self._logits(h)
         tokens = []
         for i, r in enumerate(rows):
             seeded = r.params is not None and r.params.seed is not None
             tokens.append(choose(logits[i], r.params, step_rng(r.params.seed, r.position + 1) if seeded else self._rng))
+        self._last_sampled = {r.sid: t for r, t in zip(rows, tokens)}
         return StepResult(tokens, {i: logits[i] for i, r in enumerate(rows) if r.want_logits})
 
     def decode_submit(self, rows: list[StepRow], chunks: list[PrefillChunk] | None = None) -> StepResult:
         result = self.decode(rows) if rows or not chunks else StepResult([])
+        if not rows:
+            self._last_sampled = {}
         for c in chunks or []:     # other sequences: their prefills are independent of the decode rows
             logits = self.prefill(c.sid, c.tokens, c.start)
             result.chunk_logits.append(logits if c.want_logits else None)
@@ -238,6 +248,8 @@ class CpuExecutor:
                 end = c.start + len(c.tokens)
                 tok = choose(logits, c.params, step_rng(c.params.seed, end) if seeded else self._rng)
             result.chunk_tokens.append(tok)
+            if tok is not None:
+                self._last_sampled[c.sid] = tok
         return result
 
     def decode_collect(self, handle: StepResult) -> StepResult:

@@ -21,7 +21,7 @@ import numpy as np
 
 from imp_runtime.bundle import Bundle, BundleError
 from imp_runtime.cuda_arena import NP_DTYPES, DeviceArena
-from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod
+from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod, new_event
 from imp_runtime.cuda_program import BoundPhase
 from imp_runtime.executor import PrefillChunk, StepResult, StepRow
 from imp_runtime.sampler import SamplingParams
@@ -97,13 +97,25 @@ class CudaExecutor:
         self.decode_buckets = p.buckets("decode")
         self.prefill_buckets = p.buckets("prefill")
         self.logits_buckets = p.buckets("logits")
-        # host side of the step values: page-locked, sent in one copy per step
+        # host side of the step values (page-locked, sent in one copy per step) and of a step's results: two of each,
+        # used in turn, so a step can be written and launched while the one before it runs and its results wait to
+        # be read (an event per buffer marks its last copy done)
         self.step_off, step_bytes = p.step_region()
-        self.step_host = PinnedBuffer(step_bytes)
-        self.step = {b.name: self.step_host.view(b.offset - self.step_off, NP_DTYPES[b.dtype], b.shape[0])
-                     for b in p.buffers.values() if b.kind == "step"}
+        self._step_bufs = [PinnedBuffer(step_bytes) for _ in range(2)]
+        self._step_views = [{b.name: buf.view(b.offset - self.step_off, NP_DTYPES[b.dtype], b.shape[0])
+                             for b in p.buffers.values() if b.kind == "step"} for buf in self._step_bufs]
+        self._step_sent = [new_event(), new_event()]
+        self._cur = 0
+        self.step_host, self.step = self._step_bufs[0], self._step_views[0]
         self.logit_rows = logit_rows = p.buffers["logits"].shape[0]
-        self.out_host = PinnedBuffer(4 * (logit_rows + self.max_segments) * (1 + self.vocab))   # + chunks' logits
+        out_bytes = 4 * (logit_rows + self.max_segments) * (1 + self.vocab)      # ids, logits rows, chunks' logits
+        self._out_bufs = [PinnedBuffer(out_bytes) for _ in range(2)]
+        self._out_done = [new_event(), new_event()]
+        self.out_host = self._out_bufs[0]
+        # a step row may feed the token the previous step sampled for its sequence without the host reading it
+        # (StepRow.token None): sid -> 1 + its row in that step's sampled ids
+        self.feeds_sampled = "token_src" in self.step
+        self._sampled_rows: dict[int, int] = {}
         self.block_tables = np.zeros((self.max_seqs, self.max_pages), np.int32)   # slot 0 -> page 0
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
@@ -174,6 +186,14 @@ class CudaExecutor:
     def _send_step(self) -> None:
         check(cu.cuMemcpyHtoDAsync(self.arena.base + self.step_off, self.step_host.ptr, self.step_host.nbytes,
                                    self.stream))
+        check(cu.cuEventRecord(self._step_sent[self._cur], self.stream))
+
+    def _next_step_buffer(self) -> None:
+        """Write the next step's values into the other step buffer, once its last copy to the device is done (the
+        step before the previous one's: long done, unless the host runs two steps ahead)."""
+        self._cur ^= 1
+        check(cu.cuEventSynchronize(self._step_sent[self._cur]))
+        self.step_host, self.step = self._step_bufs[self._cur], self._step_views[self._cur]
 
     def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
         if not tokens:
@@ -206,6 +226,8 @@ class CudaExecutor:
         for c, h in zip(chunks, head):
             seq, t = self._seqs[c.sid], len(c.tokens)
             st["tokens"][r:r + t] = c.tokens
+            if self.feeds_sampled:
+                st["token_src"][r:r + t] = 0
             pos = np.arange(c.start, c.start + t)
             st["positions"][r:r + t] = pos
             self._kv_slot(seq, c.start + t - 1)            # every page is there (a one-line error if not)
@@ -274,10 +296,7 @@ class CudaExecutor:
                     raise ValueError(f"sequence of {c.start + len(c.tokens)} tokens exceeds the context of "
                                      f"{self.max_context}")
         head = self._head_rows(n, chunks)
-        # step_host is one page-locked buffer: the last copy out of it (a decode's or a prefill's) must be
-        # done before it is rewritten. A pipelining caller has collected the previous step already, so the
-        # stream is idle and this costs a few microseconds.
-        check(cu.cuStreamSynchronize(self.stream))
+        self._next_step_buffer()
         b = self._write_step_values(rows) if n else 0
         if not chunks:
             self._send_step()
@@ -289,22 +308,32 @@ class CudaExecutor:
         # the sampled ids of the decode rows and of the chunks' head rows after them (out_host's first words), then
         # the logits rows asked for: decode rows', then chunks' (head row n + k for the k-th chunk with a head row)
         ids = n + sum(head)
+        self.out_host = out = self._out_bufs[(self._launched + 1) % 2]
         if ids:
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr, self.arena.ptr("sampled"), 4 * ids, self.stream))
+            check(cu.cuMemcpyDtoHAsync(out.ptr, self.arena.ptr("sampled"), 4 * ids, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
         want += [n + k for k, c in enumerate(c for c, h in zip(chunks, head) if h) if c.want_logits]
         row_bytes = 4 * self.vocab
         for k, i in enumerate(want):
-            check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + 4 * ids + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
+            check(cu.cuMemcpyDtoHAsync(out.ptr + 4 * ids + k * row_bytes, self.arena.ptr("logits", i * row_bytes),
                                        row_bytes, self.stream))
         at, last = 4 * ids + len(want) * row_bytes, n
         for c, h in zip(chunks, head):      # chunks the head did not take: a logits call each, after the copies
             last += len(c.tokens)           # above (each rewrites logits row 0)
             if c.want_logits and not h:
                 self.phases[("logits", self.logits_buckets[0])].run(self.stream, {"rows": 1, "row0": last - 1})
-                check(cu.cuMemcpyDtoHAsync(self.out_host.ptr + at, self.arena.ptr("logits"), row_bytes, self.stream))
+                check(cu.cuMemcpyDtoHAsync(out.ptr + at, self.arena.ptr("logits"), row_bytes, self.stream))
                 at += row_bytes
         self._launched += 1
+        check(cu.cuEventRecord(self._out_done[self._launched % 2], self.stream))
+        # where each sequence's sampled token sits for the next step to feed (1 + its row in sampled)
+        self._sampled_rows = {r.sid: i + 1 for i, r in enumerate(rows)}
+        k = n
+        for c, h in zip(chunks, head):
+            if h:
+                k += 1
+                if c.sample:
+                    self._sampled_rows[c.sid] = k
         return _Launched(self._launched, n, want, [c.want_logits for c in chunks], [c.sample for c in chunks], head)
 
     def _head_rows(self, n: int, chunks: list[PrefillChunk]) -> list[bool]:
@@ -329,13 +358,25 @@ class CudaExecutor:
         n = len(rows)
         b = next(x for x in self.decode_buckets if x >= n)
         st = self.step
+        feeds = self.feeds_sampled
         for i, r in enumerate(rows):
             seq = self._seqs[r.sid]
-            st["tokens"][i], st["positions"][i] = r.token, r.position
+            if r.token is None:       # the token the previous step sampled for this sequence, on the device
+                src = self._sampled_rows.get(r.sid)
+                if src is None or not feeds:
+                    raise ValueError(f"sequence {r.sid} has no token sampled by the previous step to feed")
+                st["tokens"][i], st["token_src"][i] = 0, src
+            else:
+                st["tokens"][i] = r.token
+                if feeds:
+                    st["token_src"][i] = 0
+            st["positions"][i] = r.position
             st["kv_slots"][i] = self._kv_slot(seq, r.position)
             st["seq_len"][i] = r.position + 1
             self._sampling_values(i, seq, r.params, r.position)
         pads = [("tokens", 0), ("positions", 0), ("kv_slots", 0), ("seq_slot", 0), ("seq_len", 1), ("temperature", 0.0)]
+        if feeds:
+            pads.append(("token_src", 0))
         if self.penalty_values:
             pads += [("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
         for name, pad in pads:      # padding rows: the padding slot and page, greedy, no penalties
@@ -361,14 +402,15 @@ class CudaExecutor:
 
     def decode_collect(self, handle: _Launched) -> StepResult:
         """Wait for the step (the driver releases the GIL while it blocks) and read out_host."""
-        if handle.number != self._launched:      # out_host holds a later step's results now
+        if handle.number < self._launched - 1:      # its results buffer holds a later step's now
             raise RuntimeError(f"decode step {handle.number} was collected after step {self._launched} was launched")
-        check(cu.cuStreamSynchronize(self.stream))
+        check(cu.cuEventSynchronize(self._out_done[handle.number % 2]))
+        out = self._out_bufs[handle.number % 2]
         n, row_bytes = handle.rows, 4 * self.vocab
         heads = handle.chunk_head
         ids = n + sum(heads)
-        sampled = self.out_host.view(0, np.int32, ids).tolist() if ids else []
-        rows = {i: self.out_host.view(4 * ids + k * row_bytes, np.float32, self.vocab).copy()
+        sampled = out.view(0, np.int32, ids).tolist() if ids else []
+        rows = {i: out.view(4 * ids + k * row_bytes, np.float32, self.vocab).copy()
                 for k, i in enumerate(handle.want_logits)}
         logits = {i: v for i, v in rows.items() if i < n}
         tokens, chunks, k, at = [], [], n, 4 * ids + len(handle.want_logits) * row_bytes
@@ -378,7 +420,7 @@ class CudaExecutor:
                 tokens.append(sampled[k] if sample else None)
                 k += 1
             else:
-                chunks.append(self.out_host.view(at, np.float32, self.vocab).copy() if wanted else None)
+                chunks.append(out.view(at, np.float32, self.vocab).copy() if wanted else None)
                 tokens.append(None)
                 at += row_bytes if wanted else 0
         return StepResult(sampled[:n], logits, chunks, tokens)
@@ -409,8 +451,9 @@ class CudaExecutor:
         """Give every device allocation back (the executor is unusable afterwards)."""
         for ph in getattr(self, "phases", {}).values():
             ph.release()
-        for h in ("step_host", "out_host"):
-            if getattr(self, h, None) is not None:
-                getattr(self, h).free()
+        for buf in getattr(self, "_step_bufs", []) + getattr(self, "_out_bufs", []):
+            buf.free()
+        for ev in getattr(self, "_step_sent", []) + getattr(self, "_out_done", []):
+            cu.cuEventDestroy(ev)
         if getattr(self, "arena", None) is not None:
             self.arena.free()

@@ -29,6 +29,15 @@ step is collected. A step in which a running request samples on the host (logpro
 constraints: its next token needs its logits processed first) runs serially. Either way each request
 gets the same tokens and events. IMP_PIPELINE=0 in the environment turns pipelining off (to compare).
 
+With `ahead` on as well (an executor that feeds a row the token the previous step sampled for its sequence
+without the host reading it: StepRow.token None, `feeds_sampled`), the device never waits for the host between
+steps: decode N+1 is scheduled and launched while decode N still runs, before N is collected, its rows feeding
+N's tokens on the device; then N is collected, recorded and described. Positions and token budgets count the
+tokens in flight (Request.ahead, Request.sampling); a request that N's token ends (a stop token, a stop string)
+has one more row in N+1, dropped when N+1 is collected, as above. A step that could need a preemption (fewer
+free pages than running requests) or has a host-sampled request collects first, as without `ahead`.
+IMP_AHEAD=0 turns it off.
+
 One thread steps the scheduler; `submit` and `cancel` may be called from any thread.
 """
 from __future__ import annotations
@@ -59,13 +68,15 @@ class SchedulerConfig:
     prefill_chunk: int           # most tokens one prefill call takes
     pipeline: bool = False       # launch each decode before the host work on the previous one's tokens
     mixed: bool = False          # the step's prefill chunks ride in its decode launch (one mixed step)
+    ahead: bool = False          # (pipelined) launch each decode before collecting the previous one
 
     @classmethod
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
         running = min(max_running or executor.max_batch, executor.max_batch)
-        return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk,
-                   pipeline=getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0",
-                   mixed=getattr(executor, "mixed_steps", False) and os.environ.get("IMP_MIXED") != "0")
+        pipeline = getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0"
+        return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk, pipeline=pipeline,
+                   mixed=getattr(executor, "mixed_steps", False) and os.environ.get("IMP_MIXED") != "0",
+                   ahead=pipeline and getattr(executor, "feeds_sampled", False) and os.environ.get("IMP_AHEAD") != "0")
 
 
 @dataclass(eq=False)
@@ -76,6 +87,8 @@ class Request:
     penalty_sid: int | None = None   # the sid whose device penalty state was written (executor.init_penalties)
     pages_sent: int = 0          # how many of table.pages the executor has been told about
     computed: int = 0            # positions whose KV is written
+    ahead: int = 0               # positions the steps in flight write (decode rows, prefill chunks)
+    sampling: int = 0            # tokens the steps in flight sample for it
     cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache (first admission)
     admitted: bool = False
     preemptions: int = 0
@@ -106,6 +119,7 @@ class StepTimes:
     IMP_STEP_STATS=N set, a log line every N steps."""
     steps: int = 0
     mixed_steps: int = 0         # decode steps that carried a prefill chunk
+    ahead_steps: int = 0         # steps launched before the previous one was collected
     first_on_device: int = 0     # prompt-ending chunks whose first token such a step sampled
     decode_rows: int = 0
     decode_s: float = 0.0
@@ -196,6 +210,8 @@ class Scheduler:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
             self._reap_cancelled()
+            if self._can_run_ahead():
+                return self._step_ahead()
             out, landed = self._land()
             # a host-sampled request's next token needs its logits processed first: such a step runs serially
             pipelined = self.config.pipeline and not any(r.gen.host_sampled for r in self.running)
@@ -226,17 +242,45 @@ class Scheduler:
             self._reap_cancelled()
             return [o for o in out if not o.request.cancelled]
 
+    def _can_run_ahead(self) -> bool:
+        """Launch the next step before collecting the one in flight: no request samples on the host, and pages
+        enough that no step can need a preemption (a victim's rows in flight would land after it was reset)."""
+        return (self.config.ahead and self.config.mixed and self._in_flight is not None
+                and not any(r.gen.host_sampled for r in self.running)
+                and self.blocks.available() > len(self.running))
+
+    def _step_ahead(self) -> list[StepOutput]:
+        """Schedule and launch step N+1 while step N runs (its rows feed N's tokens on the device), then collect N:
+        record and describe its tokens."""
+        older, self._in_flight = self._in_flight, None
+        rows = self._schedule_decode()
+        room = min(self.config.step_tokens, self.config.prefill_chunk) - len(rows)
+        chunks = self._schedule_prefill(room, admit=True) if self.config.mixed else []
+        rides = chunks[:getattr(self.executor, "max_segments", 1)]     # the rest wait for the next step
+        out = self._launch(rows, rides)
+        self.times.ahead_steps += self._in_flight is not None
+        done, landed = self._land(older)
+        t0 = time.perf_counter()
+        out += done + self._describe(landed)
+        self.times.hidden_s += time.perf_counter() - t0
+        self._reap_cancelled()
+        return [o for o in out if not o.request.cancelled]
+
     # --- deciding ---
 
     def _schedule_decode(self) -> list[Request]:
         rows: list[Request] = []
         page_size = self.blocks.page_size
         for req in list(self.running):
-            if req.sid is None or req.computed < req.gen.kv_length:       # preempted above, or prefilling
+            g = req.gen
+            tokens = len(g.out) + req.sampling              # sampled, or being sampled by a step in flight
+            if req.sid is None or tokens == 0 or tokens >= g.budget:   # preempted above, prefilling, or its last
+                continue                                               # token is in flight
+            pos = req.computed + req.ahead                  # where the row's token goes
+            if pos != len(g.prompt_ids) + tokens - 1:       # its KV is not complete (prefilling, recomputing)
                 continue
             # most steps the next position's page is there already (one step in page_size needs a new one)
-            if req.computed < len(req.table.pages) * page_size or self._make_room(req, req.computed + 1,
-                                                                                   may_preempt_self=True):
+            if pos < len(req.table.pages) * page_size or self._make_room(req, pos + 1, may_preempt_self=True):
                 rows.append(req)
         return rows
 
@@ -244,20 +288,23 @@ class Scheduler:
         chunks: list[tuple[Request, int]] = []
         preempted_before = self.preemptions
         for req in list(self.running):
-            left = req.gen.kv_length - req.computed
             if budget <= 0:
                 break
-            if req.sid is None or left <= 0:
+            if req.sid is None or req.sampling:             # (a prompt's end with its first token in flight)
+                continue
+            at = req.computed + req.ahead                   # the next position to write
+            left = req.gen.kv_length - at
+            if left <= 0:
                 continue
             n = min(left, self.config.prefill_chunk, budget)
-            room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - req.computed
+            room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - at
             if room <= 0 and req is self.running[0]:
                 # the oldest request always advances, so the pool can never stall on partial prefills
-                self._make_room(req, req.computed + n, may_preempt_self=False)
-                room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - req.computed
+                self._make_room(req, at + n, may_preempt_self=False)
+                room = (len(req.table.pages) + self.blocks.available()) * self.blocks.page_size - at
             n = min(n, room)
             if n > 0:
-                self.blocks.grow(req.table, req.computed + n)
+                self.blocks.grow(req.table, at + n)
                 chunks.append((req, n))
                 budget -= n
         # no admission in a step that preempted: pages are short, and a victim must not come straight back
@@ -298,7 +345,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.blocks.release(req.table)
         self.executor.free(req.sid)
-        req.sid, req.computed, req.pages_sent = None, 0, 0
+        req.sid, req.computed, req.pages_sent, req.ahead, req.sampling = None, 0, 0, 0, 0
         req.preemptions += 1
         self.preemptions += 1
         self.running.remove(req)
@@ -318,31 +365,39 @@ class Scheduler:
             self._send_pages(req)
             g = req.gen
             tokens = g.kv_tokens()
-            first = req.computed + n == len(tokens) and not g.out        # the chunk ends the prompt: the first token
+            at = req.computed + req.ahead
+            first = at + n == len(tokens) and not g.out        # the chunk ends the prompt: the first token
             sample = first and self.sample_chunks and not g.host_sampled
             if sample and g.penalised and req.penalty_sid != req.sid:   # the device penalty state, before its use
                 self.executor.init_penalties(req.sid, g.prompt_ids, dict(g.sampler.out_counts))
                 req.penalty_sid = req.sid
-            chunks.append(PrefillChunk(req.sid, tokens[req.computed:req.computed + n], req.computed,
+            chunks.append(PrefillChunk(req.sid, tokens[at:at + n], at,
                                        want_logits=first and not sample, sample=sample, params=g.params))
             self.times.first_on_device += sample
         self.times.mixed_steps += bool(chunks)
         return chunks
 
     def _decoded(self, req: Request) -> None:
-        """A decode step wrote req's next position: a page it fills goes into the prefix cache."""
+        """A decode step wrote req's next position (and sampled its next token): a page it fills goes into the
+        prefix cache."""
         req.computed += 1
+        req.ahead -= 1
+        req.sampling -= 1
         if req.computed % self.blocks.page_size == 0:
             self.blocks.commit(req.table, req.gen.tokens(), req.computed)
 
-    def _chunk_done(self, ride: tuple[Request, int], logits, token: int | None = None) -> list[StepOutput]:
-        """A prefill chunk's KV is written (alone or riding in a step): the prefix cache learns its pages; a chunk
-        that ends the prompt gives the first token (sampled by the step, or from its logits here)."""
+    def _chunk_done(self, ride: tuple[Request, int], logits, token: int | None = None,
+                    launched: bool = True) -> list[StepOutput]:
+        """A prefill chunk's KV is written (riding in a step: `launched`, or alone): the prefix cache learns its
+        pages; a chunk that ends the prompt gives the first token (sampled by the step, or from its logits here)."""
         req, n = ride
         if req.done:
             return []
         tokens = req.gen.kv_tokens()
         req.computed += n
+        if launched:
+            req.ahead -= n
+            req.sampling -= token is not None
         self.blocks.commit(req.table, tokens, req.computed)
         if req.computed == len(tokens) and not req.gen.out:      # the prompt is in: the first token
             if token is not None:
@@ -358,8 +413,9 @@ class Scheduler:
             if g.penalised and not g.host_sampled and req.penalty_sid != req.sid:    # penalties on the device
                 self.executor.init_penalties(req.sid, g.prompt_ids, dict(g.sampler.out_counts))
                 req.penalty_sid = req.sid
-            step.append(StepRow(req.sid, g.pending, req.computed, None if g.host_sampled else g.params,
-                                want_logits=g.host_sampled))
+            # the token to feed: the last one recorded, or (None) the one the step in flight samples, on the device
+            step.append(StepRow(req.sid, None if req.sampling else g.pending, req.computed + req.ahead,
+                                None if g.host_sampled else g.params, want_logits=g.host_sampled))
         return step
 
     def _run_decode(self, rows: list[Request], rides: list[tuple[Request, int]] = ()) -> list[StepOutput]:
@@ -396,6 +452,12 @@ class Scheduler:
             chunks = self._chunks(rides)
             handle = self.executor.decode_submit(step, chunks or None)
             self._in_flight = _InFlight(handle, rows, list(rides))
+            for req in rows:
+                req.ahead += 1
+                req.sampling += 1
+            for (req, n), c in zip(rides, chunks):
+                req.ahead += n
+                req.sampling += c.sample
         except Exception as e:  # noqa: BLE001 - every row of a failed step fails; the server keeps serving
             return [self._fail(req, e) for req in rows + [r for r, _ in rides]]
         finally:
@@ -403,12 +465,14 @@ class Scheduler:
             self.times.decode_rows += len(rows)
         return []
 
-    def _land(self) -> tuple[list[StepOutput], list[tuple[Request, int]]]:
+    def _land(self, flight: _InFlight | None = None) -> tuple[list[StepOutput], list[tuple[Request, int]]]:
         """The pipelined path, second half: collect the step in flight and record each live row's token (the
         cheap half of taking it, which the next step's scheduling needs); requests it ends give their pages
         back now. Returns the failures and the (request, token) pairs still to describe. A row whose request
-        ended meanwhile (cancelled, or a stop string in the previous token) is dropped with its token."""
-        flight, self._in_flight = self._in_flight, None
+        ended meanwhile (cancelled, or a stop string in the previous token) is dropped with its token. `flight`: a
+        step launched before the one in flight (ahead), else the one in flight."""
+        if flight is None:
+            flight, self._in_flight = self._in_flight, None
         if flight is None:
             return [], []
         live = [(i, req) for i, req in enumerate(flight.rows) if not req.done]
@@ -452,7 +516,7 @@ class Scheduler:
                 continue
             finally:
                 self.times.prefill_s += time.perf_counter() - t0
-            out += self._chunk_done((req, n), logits)
+            out += self._chunk_done((req, n), logits, launched=False)
         return out
 
     def _advance(self, req: Request, sample) -> StepOutput:

@@ -60,6 +60,7 @@ class SimulatedGpu:
         self.penalty_values = "pen_counts" in p.buffers     # as the cuda executor: the step carries penalty values
         self.penalties_on_device = self.penalty_values
         self.step = {b.name: np.zeros(b.shape[0], NP_DTYPES[b.dtype]) for b in p.buffers.values() if b.kind == "step"}
+        self.feeds_sampled, self._sampled_rows = "token_src" in self.step, {}
         self.gpu_s, self.vocab = gpu_s, vocab
         self.rng = np.random.default_rng(seed)
         self.first_logits = self.rng.standard_normal(c["vocab_size"]).astype(np.float32)

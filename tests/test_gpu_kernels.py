@@ -474,24 +474,30 @@ def test_rmsnorm_add(ex):
 
 def test_embedding(ex):
     """embedding_gather (bf16) or embedding_gather_nvfp4: x = embed[token] * embed_scale, against the
-    table read back and de-quantized by the reference (runtime/nvfp4.py)."""
+    table read back and de-quantized by the reference (runtime/nvfp4.py); a row whose token_src is j > 0 takes the
+    token in sampled[j - 1] (the previous step's, left on the device) instead of tokens."""
     from imp_runtime.bundle import bf16_to_f32
     from imp_runtime.nvfp4 import dequantize
     s, rng = ex.spec, np.random.default_rng(2)
     i, x = find(ex, "decode", 8, "embedding_gather")
     tokens = rng.integers(0, s.vocab_size, 8).astype(np.int32)
+    sampled = rng.integers(0, s.vocab_size, 8).astype(np.int32)
+    src = np.array([0, 3, 0, 1, 8, 0, 0, 5], np.int32)
     put(ex, "tokens", tokens)
+    put(ex, "token_src", src)
+    put(ex, "sampled", sampled)
     out = buf(x, len(x.args) - 1)
     poison(ex, out)
     run(ex, "decode", 8, i)
     v, h = s.vocab_size, s.hidden
     if x.kernel.endswith("nvfp4"):
-        table = dequantize(get(ex, buf(x, 1), np.uint8, v * h // 2).reshape(v, h // 2),
-                           get(ex, buf(x, 2), np.uint8, v * h // 16).reshape(v, h // 16),
-                           get(ex, buf(x, 3), np.float32, 1), h)
+        table = dequantize(get(ex, buf(x, 3), np.uint8, v * h // 2).reshape(v, h // 2),
+                           get(ex, buf(x, 4), np.uint8, v * h // 16).reshape(v, h // 16),
+                           get(ex, buf(x, 5), np.float32, 1), h)
     else:
-        table = bf16_to_f32(get(ex, buf(x, 1), np.uint16, v * h)).reshape(v, h)
-    ref = table[tokens].astype(np.float64) * s.embed_scale
+        table = bf16_to_f32(get(ex, buf(x, 3), np.uint16, v * h)).reshape(v, h)
+    fed = np.where(src > 0, sampled[np.maximum(src - 1, 0)], tokens)
+    ref = table[fed].astype(np.float64) * s.embed_scale
     assert rel(get(ex, out, np.float32, 8 * h).reshape(8, h), ref) <= 1e-6
 
 
