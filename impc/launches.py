@@ -137,7 +137,7 @@ class ProgramBuilder(LinearLaunches):
         row_bytes = s.hidden // 2 + s.hidden // BLOCK if emb.fmt == "nvfp4" else s.hidden * 2
         reads = [("tokens", m * 4)] + [(b, min(n, m * row_bytes)) for b, n in emb.reads()]
         kern = "embedding_gather_nvfp4" if emb.fmt == "nvfp4" else "embedding_gather"
-        reads += [("token_src", m * 4), ("sampled", min(m, self.MB) * 4)]
+        reads += [("token_src", m * 4), ("sampled", self.MB * 4)]     # (a row may feed any of the last step's)
         e.add(kern, (rows,), (256,), [ptr("tokens"), ptr("token_src"), ptr("sampled"), *emb.weight_args(), ptr("x")],
               reads, [("x", m * s.hidden * 4)])
 

@@ -338,20 +338,22 @@ class CudaExecutor:
 
     def _head_rows(self, n: int, chunks: list[PrefillChunk]) -> list[bool]:
         """Which chunks' last rows the step's head takes after its n decode rows: every chunk sampled in the step,
-        then those asking for logits while the logits buffer has rows (the others get a logits call each)."""
+        and those asking for logits if the logits buffer has rows for all of them (else each gets a logits call
+        after the step, which reads its row of x: so no row may be gathered over it then, and a step that samples
+        chunks must have rows for every chunk asking for logits)."""
         sampled = sum(c.sample for c in chunks)
         if sampled and not self.samples_chunks:
             raise ValueError("this bundle's prefill does not sample (compiled before it did): ask for logits")
-        spare = self.logit_rows - n - sampled if self.samples_chunks else 0
+        spare = self.logit_rows - n - sampled
         if spare < 0:
             raise ValueError(f"a step samples at most {self.logit_rows} rows, not {n} decode rows and {sampled} "
                              f"prompt-ending chunks")
-        head = []
-        for c in chunks:
-            take = c.sample or (c.want_logits and spare > 0)
-            spare -= take and not c.sample
-            head.append(take)
-        return head
+        wanted = sum(c.want_logits and not c.sample for c in chunks)
+        take = self.samples_chunks and wanted <= spare
+        if sampled and wanted and not take:
+            raise ValueError(f"a step of {n} decode rows has rows for {spare} of its {wanted} chunks asking for "
+                             f"logits beside the {sampled} it samples")
+        return [c.sample or (take and c.want_logits) for c in chunks]
 
     def _write_step_values(self, rows: list[StepRow]) -> int:
         """The decode step's values into step_host, padding rows up to the graph bucket; the bucket."""

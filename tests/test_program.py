@@ -250,9 +250,10 @@ def test_serve_host_cost_script_runs(gpu_bundle_dir):
 
 def test_a_steps_head_takes_sampled_chunks_first():
     """Which prompt-ending chunks' last rows a mixed step's head takes after its decode rows (the cuda executor's
-    host side): every chunk sampled in the step; chunks asking for logits while rows are left (the rest get a logits
-    call each); too many sampled chunks for the logits rows, or sampling on a bundle whose prefill does not sample,
-    is a one-line error."""
+    host side): every chunk sampled in the step, and the chunks asking for logits when rows are left for all of them
+    (else each gets a logits call of its own, which must find its row of x intact: so a step that samples chunks
+    and has no rows for all those asking for logits is refused); too many sampled chunks for the logits rows, or
+    sampling on a bundle whose prefill does not sample, is a one-line error."""
     from imp_runtime.executor import PrefillChunk
     from imp_runtime.executor_cuda import CudaExecutor
     ex = object.__new__(CudaExecutor)        # the host logic only: no device
@@ -262,10 +263,14 @@ def test_a_steps_head_takes_sampled_chunks_first():
         return PrefillChunk(0, [1], 0, want_logits=want, sample=sample)
     mixed = [chunk(want=True), chunk(sample=True), chunk(), chunk(want=True), chunk(sample=True), chunk(want=True)]
     assert ex._head_rows(2, mixed) == [True, True, False, True, True, True]
-    assert ex._head_rows(5, mixed) == [True, True, False, False, True, False]     # 3 rows: 2 sampled, 1 logits
-    assert ex._head_rows(6, mixed) == [False, True, False, False, True, False]
+    assert ex._head_rows(3, mixed) == [True, True, False, True, True, True]
+    with pytest.raises(ValueError, match="rows for 2 of its 3 chunks asking for logits"):
+        ex._head_rows(4, mixed)
     with pytest.raises(ValueError, match="samples at most 8 rows"):
         ex._head_rows(7, mixed)
+    wants = [chunk(want=True)] * 3
+    assert ex._head_rows(5, wants) == [True] * 3
+    assert ex._head_rows(6, wants) == [False] * 3                  # a logits call each
     ex.samples_chunks = False
     assert ex._head_rows(0, [chunk(want=True)]) == [False]
     with pytest.raises(ValueError, match="does not sample"):
