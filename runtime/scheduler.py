@@ -116,7 +116,7 @@ class StepTimes:
     """Where the stepping thread's time goes (seconds, summed over steps): the executor's decode and prefill
     calls (launches and the wait for the GPU) and everything else of a step (deciding, sampling on the host,
     detokenizing, stop strings), of which `hidden_s` ran while a pipelined decode was on the device. With
-    IMP_STEP_STATS=N set, a log line every N steps."""
+    IMP_STEP_STATS=N set, a log line every N steps. (In an ahead step all host work runs while the device computes.)"""
     steps: int = 0
     mixed_steps: int = 0         # decode steps that carried a prefill chunk
     ahead_steps: int = 0         # steps launched before the previous one was collected
@@ -130,7 +130,8 @@ class StepTimes:
     def line(self) -> str:
         n = max(self.steps, 1)
         host = self.total_s - self.decode_s - self.prefill_s
-        return (f"{self.steps} steps ({self.mixed_steps} mixed), {self.decode_rows / n:.1f} decode rows a step: per step {1e3 * self.total_s / n:.2f} ms "
+        return (f"{self.steps} steps ({self.mixed_steps} mixed, {self.ahead_steps} ahead), {self.decode_rows / n:.1f} decode rows "
+                f"a step: per step {1e3 * self.total_s / n:.2f} ms "
                 f"= decode {1e3 * self.decode_s / n:.2f} + prefill {1e3 * self.prefill_s / n:.2f} + host {1e3 * host / n:.2f} "
                 f"(of which {1e3 * self.hidden_s / n:.2f} while the device decodes)")
 
@@ -252,6 +253,7 @@ class Scheduler:
     def _step_ahead(self) -> list[StepOutput]:
         """Schedule and launch step N+1 while step N runs (its rows feed N's tokens on the device), then collect N:
         record and describe its tokens."""
+        t0, waited = time.perf_counter(), self.times.decode_s
         older, self._in_flight = self._in_flight, None
         rows = self._schedule_decode()
         room = min(self.config.step_tokens, self.config.prefill_chunk) - len(rows)
@@ -260,10 +262,10 @@ class Scheduler:
         out = self._launch(rows, rides)
         self.times.ahead_steps += self._in_flight is not None
         done, landed = self._land(older)
-        t0 = time.perf_counter()
         out += done + self._describe(landed)
-        self.times.hidden_s += time.perf_counter() - t0
         self._reap_cancelled()
+        # the step's host work all ran while the device computed (step N, then N + 1 queued behind it)
+        self.times.hidden_s += time.perf_counter() - t0 - (self.times.decode_s - waited)
         return [o for o in out if not o.request.cancelled]
 
     # --- deciding ---

@@ -7,7 +7,8 @@ an executor with the bundle's program whose decode takes --gpu-ms of wall time o
 notes when the step will be done, collect sleeps until then: time.sleep releases the GIL as the driver's
 wait does), while the host side is the real one: the scheduler, the cuda executor's step-value writes,
 the bundle's tokenizer detokenizing random tokens, stop strings, events, the hand-off to the loop.
-Prints steps/s and tokens/s serial vs pipelined, and the scheduler's own split of a step (StepTimes).
+Prints steps/s and tokens/s serial, pipelined and ahead (the next step launched before the last is collected),
+and the scheduler's own split of a step (StepTimes).
 
 Usage: scripts/host_step_cost.py BUNDLE [--rows 64] [--gpu-ms 6] [--steps 400] [--stop S ...] [--profile]
 BUNDLE: a bundle with a GPU target's program and the served tokenizer (build/syn-qwen3-8b-base).
@@ -46,6 +47,8 @@ class SimulatedGpu:
     over a device that takes gpu_s per decode step and returns random tokens."""
     name = "simulated"
     async_decode = True
+    mixed_steps = samples_chunks = True     # prefill chunks ride in a step (instantly) and sample a first token
+    max_segments = 16
     _kv_slot = CudaExecutor._kv_slot
     _write_step_values = CudaExecutor._write_step_values
     _sampling_values = CudaExecutor._sampling_values
@@ -84,20 +87,28 @@ class SimulatedGpu:
     def prefill(self, sid: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
         return self.first_logits        # instant: the measurement is of decode steps
 
-    def decode_submit(self, rows: list[StepRow], chunks=None):      # never mixed: mixed_steps is unset
-        self._write_step_values(rows)
+    def decode_submit(self, rows: list[StepRow], chunks=None):
+        """A step of gpu_s queued behind the device's work (a prompt's chunks riding in it cost nothing: the
+        measurement is of decode steps); random tokens, a first token for each chunk that samples one."""
+        chunks = chunks or []
+        if rows:
+            self._write_step_values(rows)
         now = time.perf_counter()
         self.idle_s += max(now - self.device_free_at, 0.0)
         self.device_free_at = max(now, self.device_free_at) + self.gpu_s
-        return self.device_free_at, self.rng.integers(0, self.vocab, len(rows)).tolist()
+        tokens = self.rng.integers(0, self.vocab, len(rows)).tolist()
+        firsts = [int(self.rng.integers(0, self.vocab)) if c.sample else None for c in chunks]
+        self._sampled_rows = {r.sid: i + 1 for i, r in enumerate(rows)}     # (what a token None row feeds)
+        self._sampled_rows.update({c.sid: len(rows) + 1 for c, f in zip(chunks, firsts) if f is not None})
+        return self.device_free_at, tokens, [self.first_logits if c.want_logits else None for c in chunks], firsts
 
     def decode_collect(self, handle) -> StepResult:
-        done_at, tokens = handle
+        done_at, tokens, chunk_logits, firsts = handle
         wait = done_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
             self.wake_s += time.perf_counter() - done_at
-        return StepResult(tokens)
+        return StepResult(tokens, {}, chunk_logits, firsts)
 
     def decode(self, rows: list[StepRow]) -> StepResult:
         return self.decode_collect(self.decode_submit(rows))
@@ -135,13 +146,15 @@ class MeasuredQueue(FairQueue):
         return 1e3 * (self.cpu_last - (self.cpu_first or 0.0)) / max(self.cpu_steps - 1, 1)
 
 
-def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, pipeline: bool, stops: list[str],
+def serve(bundle_path: str, rows: int, gpu_ms: float, steps: int, mode: str, stops: list[str],
           profile: bool, loop_us: float) -> dict:
     bundle = load_bundle(bundle_path, verify=False)
     tok_vocab = Tokenizer(bundle.tokenizer_json(), bundle.manifest["tokenizer"]).vocab_size
     engine_module.make_executor = lambda b, device, kv_pages: SimulatedGpu(b, gpu_ms / 1e3, tok_vocab)
     eng = engine_module.Engine(bundle_path, verify=False, max_running=rows)
-    eng.scheduler.config.pipeline = pipeline
+    c = eng.scheduler.config           # serial; pipelined (launch, then describe); ahead (launch before collecting)
+    c.pipeline, c.ahead = mode != "serial", mode == "ahead"
+    c.mixed = mode == "ahead"
     profiler = cProfile.Profile() if profile else None
     q = MeasuredQueue(eng, Metrics(), max_running=rows)
     params = SamplingParams(max_tokens=eng.max_context - 64, temperature=0.8, ignore_eos=True, stop=stops)
@@ -210,9 +223,9 @@ def main() -> None:
         sys.setswitchinterval(a.switch_ms / 1e3)
     print(f"{a.rows} streams, simulated GPU decode step {a.gpu_ms} ms, stop strings {a.stop or 'none'}, "
           f"event loop work {a.loop_us} us an event, GIL switch interval {1e3 * sys.getswitchinterval():.1f} ms")
-    for pipeline in (False, True):
-        r = serve(a.bundle, a.rows, a.gpu_ms, a.steps, pipeline, a.stop, a.profile, a.loop_us)
-        print(f"{'pipelined' if pipeline else 'serial   '}: {r['steps_per_s']:.1f} steps/s, {r['tokens_per_s']:.0f} tok/s "
+    for mode in ("serial", "pipelined", "ahead"):
+        r = serve(a.bundle, a.rows, a.gpu_ms, a.steps, mode, a.stop, a.profile, a.loop_us)
+        print(f"{mode:9}: {r['steps_per_s']:.1f} steps/s, {r['tokens_per_s']:.0f} tok/s "
               f"(GPU-bound ceiling {1e3 / a.gpu_ms:.1f} steps/s); host {r['host_ms']:.2f} ms a step, "
               f"{r['hidden_ms']:.2f} of it while the device decodes; between steps (the hand-off) "
               f"{r['between_ms']:.2f} ms; the device idle {r['idle_ms']:.2f} ms a step (of which waking from the wait "

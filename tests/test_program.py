@@ -223,8 +223,8 @@ def test_host_step_cost_script_runs(gpu_bundle_dir):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_step_cost.py"), str(gpu_bundle_dir), "--rows", "4",
                         "--gpu-ms", "2", "--steps", "30"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(serial|pipelined)\s*: ([\d.]+) steps/s", r.stdout, re.M)}
-    assert set(rates) == {"serial", "pipelined"}, r.stdout
+    rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(serial|pipelined|ahead)\s*: ([\d.]+) steps/s", r.stdout, re.M)}
+    assert set(rates) == {"serial", "pipelined", "ahead"}, r.stdout
     assert all(0 < v <= 1000 / 2 * 1.01 for v in rates.values()), rates
 
 
