@@ -501,6 +501,25 @@ def test_embedding(ex):
     assert rel(get(ex, out, np.float32, 8 * h).reshape(8, h), ref) <= 1e-6
 
 
+@pytest.mark.parametrize("dec,last", [(0, [3]), (2, [2, 3, 9]), (5, [5, 6, 7, 8]), (1, [4, 4 + 7, 30, 31, 40])])
+def test_gather_rows(ex, dec, last):
+    """gather_rows_f32 (a mixed step's prompt-ending chunks' last rows after its decode rows, for the head):
+    x[dec + j] = x[last[j]] as they were before, in order, where each source lies at or past its destination (a
+    chunk has a row or more; chunks follow each other), a source equal to its destination included; every other row
+    unchanged. Oracle: numpy on the rows read back before."""
+    s, rng = ex.spec, np.random.default_rng(dec + len(last))
+    bucket = ex.prefill_buckets[-1]
+    i, _ = find(ex, "prefill", bucket, "gather_rows_f32")
+    rows = max(last) + 3
+    x0 = rng.standard_normal((rows, s.hidden)).astype(np.float32)
+    put(ex, "x", x0)
+    put(ex, "chunk_last", np.asarray(last, np.int32))
+    run(ex, "prefill", bucket, i, rows=rows, dec=dec, schunks=len(last), srows=dec + len(last))
+    ref = x0.copy()
+    ref[dec:dec + len(last)] = x0[last]
+    assert np.array_equal(get(ex, "x", np.float32, rows * s.hidden).reshape(rows, -1), ref)
+
+
 def test_softcap(ex):
     s = ex.spec
     i, x = find(ex, "decode", 2, "logits_softcap")
