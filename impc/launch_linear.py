@@ -97,8 +97,8 @@ def tmap(name: str, dtype: str, rows: int, cols: int, box_rows: int, box_cols: i
 def ev(v, rows: int, dec_max: int | None = None) -> int:
     """A value at `rows` (reads and writes are counted at the phase's full size; decode rows riding in a prefill
     phase at most dec_max)."""
-    return evaluate(v, {"rows": rows, "prows": rows, "dec": min(rows, dec_max or rows),
-                        "srows": min(rows, dec_max or rows)})
+    dec = min(rows, dec_max or rows)
+    return evaluate(v, {"rows": rows, "prows": rows, "dec": dec, "srows": dec})
 
 
 def rows_div(rows, d: int):

@@ -42,10 +42,10 @@ class _Seq:
 
 @dataclass
 class _Launched:
-    """A decode step queued on the stream whose results (in out_host) are not read yet."""
+    """A decode step queued on the stream whose results (in its result buffer) are not read yet."""
     number: int                         # the executor's count of launched decode steps
     rows: int
-    want_logits: list[int]              # rows whose logits follow the sampled ids in out_host
+    want_logits: list[int]              # rows whose logits follow the sampled ids in the result buffer
     chunk_logits: list[bool] = field(default_factory=list)   # the step's chunks whose last-token logits follow
     chunk_sample: list[bool] = field(default_factory=list)   # ... and those whose first token the step sampled
     chunk_head: list[bool] = field(default_factory=list)     # chunks whose last row the step's head took
@@ -111,7 +111,6 @@ class CudaExecutor:
         out_bytes = 4 * (logit_rows + self.max_segments) * (1 + self.vocab)      # ids, logits rows, chunks' logits
         self._out_bufs = [PinnedBuffer(out_bytes) for _ in range(2)]
         self._out_done = [new_event(), new_event()]
-        self.out_host = self._out_bufs[0]
         # a step row may feed the token the previous step sampled for its sequence without the host reading it
         # (StepRow.token None): sid -> 1 + its row in that step's sampled ids
         self.feeds_sampled = "token_src" in self.step
@@ -277,7 +276,7 @@ class CudaExecutor:
 
     def decode_submit(self, rows: list[StepRow], chunks: list[PrefillChunk] | None = None) -> _Launched:
         """Write the step values, send them, replay the bucket's graph and queue the copies of the sampled
-        ids (and asked-for logits) into out_host; no wait for the GPU. With prefill chunks of other sequences (a
+        ids (and asked-for logits) into the step's result buffer; no wait for the GPU. With prefill chunks of other sequences (a
         mixed step; rows may then be empty): the decode rows ride in the chunks' prefill launches, run eagerly;
         a chunk that ends its prompt gets its first token sampled with them (`sample`) or its last token's logits
         (`want_logits`)."""
@@ -305,10 +304,10 @@ class CudaExecutor:
             phase, env = self._prefill_rows(n, chunks, head)
             self._send_step()
             phase.run(self.stream, env)
-        # the sampled ids of the decode rows and of the chunks' head rows after them (out_host's first words), then
+        # the sampled ids of the decode rows and of the chunks' head rows after them (the buffer's first words), then
         # the logits rows asked for: decode rows', then chunks' (head row n + k for the k-th chunk with a head row)
         ids = n + sum(head)
-        self.out_host = out = self._out_bufs[(self._launched + 1) % 2]
+        out = self._out_bufs[(self._launched + 1) % 2]
         if ids:
             check(cu.cuMemcpyDtoHAsync(out.ptr, self.arena.ptr("sampled"), 4 * ids, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
@@ -403,7 +402,7 @@ class CudaExecutor:
             st["repetition_penalty"][i], st["presence_penalty"][i], st["frequency_penalty"][i] = rep, pres, freq
 
     def decode_collect(self, handle: _Launched) -> StepResult:
-        """Wait for the step (the driver releases the GIL while it blocks) and read out_host."""
+        """Wait for the step (the driver releases the GIL while it blocks) and read its result buffer."""
         if handle.number < self._launched - 1:      # its results buffer holds a later step's now
             raise RuntimeError(f"decode step {handle.number} was collected after step {self._launched} was launched")
         check(cu.cuEventSynchronize(self._out_done[handle.number % 2]))

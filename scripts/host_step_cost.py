@@ -98,8 +98,10 @@ class SimulatedGpu:
         self.device_free_at = max(now, self.device_free_at) + self.gpu_s
         tokens = self.rng.integers(0, self.vocab, len(rows)).tolist()
         firsts = [int(self.rng.integers(0, self.vocab)) if c.sample else None for c in chunks]
-        self._sampled_rows = {r.sid: i + 1 for i, r in enumerate(rows)}     # (what a token None row feeds)
-        self._sampled_rows.update({c.sid: len(rows) + 1 for c, f in zip(chunks, firsts) if f is not None})
+        # what a token None row feeds: 1 + its row in sampled (decode rows, then the sampled chunks' head rows)
+        self._sampled_rows = {r.sid: i + 1 for i, r in enumerate(rows)}
+        heads = [c.sid for c in chunks if c.sample]
+        self._sampled_rows.update({sid: len(rows) + k + 1 for k, sid in enumerate(heads)})
         return self.device_free_at, tokens, [self.first_logits if c.want_logits else None for c in chunks], firsts
 
     def decode_collect(self, handle) -> StepResult:
