@@ -54,6 +54,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--decode-gemm", default="nvfp4", choices=["nvfp4", "fp16"],
                    help="Hopper decode batches past the GEMV's rows: a GEMM reading the NVFP4 weights as stored "
                         "(nvfp4), or the fp16 copies prefill reads (fp16; needs --prefill-weights copy) (default nvfp4)")
+    p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles"],
+                   help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 1024 rows on the persistent "
+                        "ping-pong GEMM, more on the per-tile one; chosen per step by its rows) or tiles (the per-tile "
+                        "one always)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -130,7 +134,8 @@ def cmd_compile(a) -> int:
                           max_context=a.max_context, max_batch=a.max_batch, name=a.name,
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
-                          gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention)
+                          gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
+                          prefill_gemm=a.prefill_gemm)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

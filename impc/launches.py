@@ -39,11 +39,14 @@ class ProgramOptions:
                                     # (per-sequence token counts on the device); off: the host samples such rows
     prefill_attention: str = "wgmma"  # Hopper prefill attention: warpgroup MMA (wgmma, head dims that are multiples of
                                       # 64) or mma.sync (mma; always used elsewhere)
+    prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
+                                      # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
+                                      # per-tile one for every row count)
 
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
-                "prefill_attention": self.prefill_attention}
+                "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:

@@ -101,13 +101,20 @@ class Program:
 # ------------------------------------------------------------------ values
 
 
-def evaluate(v, env: dict[str, int]) -> int:
-    """An int, or a symbol expression at the symbol values in env."""
+def evaluate(v, env: dict[str, int], gate: bool = True) -> int:
+    """An int, or a symbol expression at the symbol values in env: (sym * mul) / ceil_div + add, and 0 where the
+    symbol's value lies outside the expression's "range" [lo, hi] (a launch gated on it: a grid dimension of 0
+    skips the launch, so a phase can hold alternative kernels for different row counts). gate=False ignores the
+    range (validation checks every alternative at the phase's full size)."""
     if isinstance(v, bool):
         raise ProgramError(f"value {v!r} is not a number")
     if isinstance(v, int):
         return v
     if isinstance(v, dict) and "sym" in v:
+        if gate and "range" in v:
+            lo, hi = v["range"]
+            if not int(lo) <= env[v["sym"]] <= int(hi):
+                return 0
         x = env[v["sym"]] * int(v.get("mul", 1))
         d = int(v.get("ceil_div", 1))
         return -(-x // d) + int(v.get("add", 0))
@@ -244,7 +251,7 @@ def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, 
     if len(x.grid) != 3 or len(x.block) != 3:
         raise ProgramError(f"{at}: grid and block need three dimensions")
     used = set().union(*(symbols_of(g) for g in x.grid))
-    grid = [evaluate(g, env) for g in x.grid]
+    grid = [evaluate(g, env, gate=False) for g in x.grid]
     if min(grid) < 1 or min(x.block) < 1 or math.prod(x.block) > 1024:
         raise ProgramError(f"{at}: grid {grid} / block {list(x.block)} out of range")
     limit = p.kernel_smem.get(x.kernel, 48 * 1024)

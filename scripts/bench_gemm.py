@@ -53,15 +53,26 @@ def launch(mod: Module, name: str, grid, block, smem: int, args: list, stream) -
     check(cu.cuLaunchKernel(mod.func(name), *grid, *block, smem, stream, ctypes.addressof(params), 0))
 
 
-def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn: int, mode: int = 0, tscale=None,
+def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn, mode: int = 0, tscale=None,
             unscale: float = 1.0, stream=0) -> None:
+    """gemm_wg<bn> (bn 128 or 256), or the persistent ping-pong gemm_wgp (bn "p": 128 x 128 tiles, a block an SM)."""
     m, k = a.shape
     n = w.shape[0]
     dt = "f16" if a.dtype == torch.float16 else "bf16"
+    if bn == "p":
+        ta, tw = tensor_map(a.data_ptr(), dt, m, k, 128, 64), tensor_map(w.data_ptr(), dt, n, k, 128, 64)
+        tiles = -(-n // 128) * -(-m // 128)
+        launch(mod, f"gemm_wgp_{dt}", (min(tiles, sm_count()), 1, 1), (384, 1, 1), WG_SMEM[128],
+               [ta, tw, c, tscale, float(unscale), m, n, k, mode, None, None], stream)
+        return
     ta = tensor_map(a.data_ptr(), dt, m, k, 128, 64)
     tw = tensor_map(w.data_ptr(), dt, n, k, bn, 64)
     launch(mod, f"gemm_wg{bn}_{dt}", ((n + bn - 1) // bn, (m + 127) // 128, 1), (384, 1, 1), WG_SMEM[bn],
            [ta, tw, c, tscale, float(unscale), m, n, k, mode, None, None], stream)     # no split-K: no ws, flags
+
+
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def timed(fn, runs: int) -> float:
@@ -121,8 +132,8 @@ def checks(mod, stream) -> list[str]:
     if not np.array_equal(got, ref):
         fails.append(f"dequant_nvfp4_f16: {int((got != ref).sum())} of {got.size} values differ")
     for dt in (torch.float16, torch.bfloat16):
-        for bn in (128, 256):
-            for (m, n, k) in ((300, 1000, 200), (128, 256, 64), (513, 768, 1000), (64, 4096, 4096)):
+        for bn in (128, 256, "p"):
+            for (m, n, k) in ((300, 1000, 200), (4100, 1000, 336), (128, 256, 64), (513, 768, 1000), (64, 4096, 4096)):
                 a = (torch.randn((m, k), generator=g, device="cuda") * 0.5).to(dt)
                 w = (torch.randn((n, k), generator=g, device="cuda") * 0.5).to(dt)
                 c = torch.full((m, n), 3.0, device="cuda")
@@ -148,6 +159,8 @@ def main() -> int:
     ap.add_argument("--cubin", help="use this cubin instead of the bundle's")
     ap.add_argument("--m", default="128,512,2048,4096")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--wgmma-only", action="store_true", help="time the wgmma GEMMs and cuBLAS only (no gated, "
+                    "expansion or mma.sync columns)")
     args = ap.parse_args()
     torch.cuda.init()
     torch.zeros(1, device="cuda")
@@ -158,6 +171,8 @@ def main() -> int:
     for bn, smem in WG_SMEM.items():
         for dt in ("f16", "bf16"):
             mod.set_max_dynamic_smem(f"gemm_wg{bn}_{dt}", smem)
+            if bn == 128:
+                mod.set_max_dynamic_smem(f"gemm_wgp_{dt}", smem)
     stream = torch.cuda.current_stream().cuda_stream
     fails = checks(mod, stream)
     for f in fails:
@@ -183,31 +198,37 @@ def main() -> int:
             # in alternation (its column: the median of these runs)
             mode = 1 if name in ("o", "down") else 0
             cub = []
-            for bn in (128, 256):
+            for bn in (128, 256, "p"):
                 ms, ref_ms = timed_pair(lambda: wg_gemm(mod, a16, w16, c, bn, mode=mode, stream=stream),
                                         lambda: torch.matmul(ab, wb.T), args.runs)
                 res[f"wg{bn}_ms"], res[f"wg{bn}_tflops"] = ms, flop / ms / 1e9
                 cub.append(ref_ms)
             res["mode"] = mode
-            if name == "gate_up":      # the prefill's gate_up: act(gate) * up in the epilogue, fp16 out (mode 2)
+            if args.wgmma_only:
+                res.update(gated_ms=float("nan"), gated_tflops=float("nan"), dequant_ms=float("nan"),
+                           dequant_gbs=float("nan"), mma_sync_ms=float("nan"), mma_sync_tflops=float("nan"))
+            elif name == "gate_up":      # the prefill's gate_up: act(gate) * up in the epilogue, fp16 out (mode 2)
                 g = torch.empty((m, n // 2), dtype=torch.float16, device="cuda")
                 ms = timed(lambda: wg_gemm(mod, a16, w16, g, 256, mode=2, stream=stream), args.runs)
                 res["gated_ms"], res["gated_tflops"] = ms, flop / ms / 1e9
-            ms = timed(lambda: launch(mod, "dequant_nvfp4_f16", (132 * 8, 1, 1), (256, 1, 1), 0,
-                                      [codes, scales, w16, ctypes.c_uint64(n * k // 16), k // 16, 0], stream), args.runs)
-            res["dequant_ms"], res["dequant_gbs"] = ms, (n * k * (0.5 + 1 / 16 + 2)) / ms / 1e6
-            ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
-                                      [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)
-            res["mma_sync_ms"], res["mma_sync_tflops"] = ms, flop / ms / 1e9
+            if not args.wgmma_only:
+                ms = timed(lambda: launch(mod, "dequant_nvfp4_f16", (132 * 8, 1, 1), (256, 1, 1), 0,
+                                          [codes, scales, w16, ctypes.c_uint64(n * k // 16), k // 16, 0], stream), args.runs)
+                res["dequant_ms"], res["dequant_gbs"] = ms, (n * k * (0.5 + 1 / 16 + 2)) / ms / 1e6
+                ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
+                                          [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)
+                res["mma_sync_ms"], res["mma_sync_tflops"] = ms, flop / ms / 1e9
             ms = statistics.median(cub)
             res["cublas_ms"], res["cublas_tflops"] = ms, flop / ms / 1e9
             rows.append(res)
             print(json.dumps(res), flush=True)
-    print("\n| GEMM (mode) | M | N | K | wgmma 128 | wgmma 256 | wgmma 256 gated | dequant (GB/s) | mma.sync | cuBLAS bf16 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| GEMM (mode) | M | N | K | wgmma 128 | wgmma 256 | persistent ping-pong | wgmma 256 gated | dequant (GB/s) "
+          "| mma.sync | cuBLAS bf16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         gated = f"{r['gated_tflops']:.0f}" if "gated_tflops" in r else "-"
-        print(f"| {r['gemm']} ({r['mode']}) | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | {gated} | "
+        print(f"| {r['gemm']} ({r['mode']}) | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | "
+              f"{r['wgp_tflops']:.0f} | {gated} | "
               f"{r['dequant_ms'] * 1e3:.0f} us ({r['dequant_gbs']:.0f}) | {r['mma_sync_tflops']:.0f} | "
               f"{r['cublas_tflops']:.0f} |")
     print("(TFLOP/s; medians of", args.runs, "runs)")

@@ -217,7 +217,8 @@ def test_inspect_a_synthetic_bundle(tmp_path):
 
 def test_host_step_cost_script_runs(gpu_bundle_dir):
     """scripts/host_step_cost.py (the serving loop's host time against a simulated GPU) runs on a bundle with a GPU
-    program, and its steps/s stay under the simulated device's own bound (1000 / gpu_ms): it broke once unnoticed
+    program, and its steps/s stay under the simulated device's own bound (1000 / gpu_ms, and the steps already
+    queued when the window opens): it broke once unnoticed
     when the executor gained a field its simulated device did not have."""
     import re
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_step_cost.py"), str(gpu_bundle_dir), "--rows", "4",
@@ -225,7 +226,9 @@ def test_host_step_cost_script_runs(gpu_bundle_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(serial|pipelined|ahead)\s*: ([\d.]+) steps/s", r.stdout, re.M)}
     assert set(rates) == {"serial", "pipelined", "ahead"}, r.stdout
-    assert all(0 < v <= 1000 / 2 * 1.01 for v in rates.values()), rates
+    # (the window opens with up to two steps already queued on the simulated device when steps overlap: 32 steps'
+    # landings can fall in 30 steps' device time)
+    assert all(0 < v <= 1000 / 2 * 32 / 30 for v in rates.values()), rates
 
 
 def test_serve_host_cost_script_runs(gpu_bundle_dir):
@@ -275,3 +278,35 @@ def test_a_steps_head_takes_sampled_chunks_first():
     assert ex._head_rows(0, [chunk(want=True)]) == [False]
     with pytest.raises(ValueError, match="does not sample"):
         ex._head_rows(0, [chunk(sample=True)])
+
+
+def test_large_prefill_phase_runs_one_gemm_a_linear_at_every_row_count():
+    """The Qwen3-8B shape's largest prefill phase holds two kernels for each layer linear (the persistent ping-pong
+    GEMM up to WGP_MAX_ROWS rows, the per-tile one past them), each grid gated on the step's rows: at every row count
+    exactly one of each pair launches (a grid dimension of 0 skips a launch), the persistent one from 1 to
+    WGP_MAX_ROWS rows; --prefill-gemm tiles leaves the per-tile one alone. No nvcc: the program is built without a
+    cubin."""
+    from imp_runtime.program import evaluate
+    from impc.launch_linear import WGP_MAX_ROWS
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES
+    spec, t = SHAPES["qwen3-8b"], load_target("sm_90a")
+    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
+               for n, s in spec.tensor_shapes().items()}
+    plan = plan_memory(spec, formats, [t], None, 4096, 64)
+    for opt, kinds in (("auto", {"gemm_wgp_f16", "gemm_wg256_f16"}), ("tiles", {"gemm_wg256_f16"})):
+        prog = build_program(spec, formats, t, plan, ProgramOptions(prefill_gemm=opt), None)
+        chunk = prog.constants["prefill_chunk"]
+        assert chunk > WGP_MAX_ROWS
+        gemms = [x for x in prog.phase("prefill", chunk).launches
+                 if x.kernel.startswith("gemm_wg") and any(b.startswith("layers.") for b, _ in x.reads)]
+        assert {x.kernel for x in gemms} == kinds
+        for rows in (1, 257, WGP_MAX_ROWS, WGP_MAX_ROWS + 1, chunk):
+            env = dict(prog.symbols, rows=rows, dec=0, prows=rows, srows=0, schunks=0)
+            ran = [x for x in gemms if all(evaluate(g, env) for g in x.grid)]
+            # one launch for each layer's qkv, o, gate_up and down
+            assert len(ran) == 4 * spec.n_layers
+            assert all(x.kernel == ("gemm_wgp_f16" if opt == "auto" and rows <= WGP_MAX_ROWS else "gemm_wg256_f16")
+                       for x in ran), (opt, rows)
