@@ -55,7 +55,7 @@ def _add_compile(sub) -> None:
                    help="Hopper decode batches past the GEMV's rows: a GEMM reading the NVFP4 weights as stored "
                         "(nvfp4), or the fp16 copies prefill reads (fp16; needs --prefill-weights copy) (default nvfp4)")
     p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles"],
-                   help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 1024 rows on the persistent "
+                   help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 512 rows on the persistent "
                         "ping-pong GEMM, more on the per-tile one; chosen per step by its rows) or tiles (the per-tile "
                         "one always)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],

@@ -46,7 +46,7 @@ class CompileOptions:
     decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
     gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
-    prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 1024 rows) | tiles
+    prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
 
     def program_options(self) -> ProgramOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,

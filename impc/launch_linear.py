@@ -21,7 +21,7 @@ PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16",
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
-WGP_MAX_ROWS = 1024      # Hopper: chunks of up to this many rows in the larger phases take the persistent GEMM
+WGP_MAX_ROWS = 512       # Hopper: steps of up to this many rows in the larger phases take the persistent GEMM
 WG_MID_CHUNK = 256       # Hopper: prefill phases of up to this many rows (short chunks, mixed steps: decode rows plus
                          # a short prefill chunk) take the tile width by waves and split their GEMMs over K
 # templates/gemm_wgmma_nvfp4.cu.j2 (rendered from these): a kernel per NB, the activation rows of a block (wgmma's N),

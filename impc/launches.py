@@ -257,11 +257,12 @@ class ProgramBuilder(LinearLaunches):
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
             self.attn_decode(e, i, window, ofmt, b, splits, planes=dec)
-            # the o projection after it without programmatic dependent launch: with it, its GEMV blocks (two an SM,
-            # up to half the register file each) sit waiting beside the attention's last, merging blocks, and
-            # batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the session before
-            # (BENCHMARKS, "Decode attention in one launch").
-            e.no_pdl_next = True
+            # the o projection after it without programmatic dependent launch where it runs the GEMV: with it, its
+            # GEMV blocks (two an SM, up to half the register file each) sit waiting beside the attention's last,
+            # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the
+            # session before (BENCHMARKS, "Decode attention in one launch"). The NVFP4 decode GEMM past the GEMV's
+            # rows keeps it: its weights stream in before its grid-dependency wait (BENCHMARKS, eleventh session).
+            e.no_pdl_next = dec or not self.wq
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)
