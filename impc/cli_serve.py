@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
                         "(default: $IMP_API_KEY; none: open)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="most choices per request (default 8)")
-    p.add_argument("--max-running", type=int, default=16, metavar="N",
-                   help="generations interleaved at once; later requests queue (default 16)")
+    p.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help="generations interleaved at once; later requests queue (default: the bundle's largest "
+                        "decode batch, 64 unless compiled otherwise)")
     p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
                    help="tokens one step computes at most: a row per running generation plus prompt tokens "
                         "(smaller: steadier inter-token latency while prompts arrive; larger: prompts taken in "

@@ -58,14 +58,14 @@ class Job:
 
 
 class FairQueue:
-    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, page_size: int = 16,
+    def __init__(self, engine: Engine, metrics: Metrics, max_running: int | None = None, page_size: int = 16,
                  step_tokens: int | None = None):
         # page_size is the executor's now (engine.executor.page_size); the argument is kept for callers
         self.engine = engine
         self.metrics = metrics
         self.scheduler = engine.scheduler
         cfg = self.scheduler.config
-        cfg.max_running = min(max_running, engine.executor.max_batch)
+        cfg.max_running = min(max_running or engine.executor.max_batch, engine.executor.max_batch)
         # every running request decodes each step, whatever the budget; the rest of it goes to prefill
         cfg.step_tokens = max(step_tokens or cfg.step_tokens, cfg.max_running + 1)
         self.jobs: dict[int, Job] = {}            # id(request) -> job, owned by the worker

@@ -30,7 +30,8 @@ class Limits:
     max_n: int = 8                       # choices per request
     max_body_bytes: int = 4 << 20        # larger bodies are a 413
     max_json_depth: int = 64             # deeper bodies are a 400 (deep enough for any real JSON schema)
-    max_running: int = 16                # generations interleaved at once; the rest wait in FIFO order
+    max_running: int | None = None       # generations interleaved at once; the rest wait in FIFO order (None:
+                                         # the executor's largest decode batch)
     page_size: int = 16                  # KV page size reported in metrics
     step_tokens: int | None = None       # tokens one step computes at most (decode rows + prefill); None: the chunk
 
