@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 
 ALIGN = 256
-VERSION = 1
+VERSION = 2          # 2: symbol expressions may carry a "range" (launches gated on a step's rows); an older runtime
+READS = (1, 2)       # would run every alternative, so it must refuse such a program
 PHASES = ("init", "decode", "prefill", "logits")
 KINDS = ("weight", "const", "table", "step", "scratch", "kv")
 DTYPES = {"u8": 1, "u16": 2, "bf16": 2, "f16": 2, "i32": 4, "f32": 4, "u64": 8}
@@ -136,8 +137,8 @@ def _launch(d: dict) -> Launch:
 
 def from_dict(d: dict) -> Program:
     try:
-        if d.get("version") != VERSION:
-            raise ProgramError(f"program version {d.get('version')}, this runtime reads {VERSION}")
+        if d.get("version") not in READS:
+            raise ProgramError(f"program version {d.get('version')}, this runtime reads {', '.join(map(str, READS))}")
         buffers = {}
         for b in d["buffers"]:
             buf = Buffer(b["name"], int(b["offset"]), int(b["bytes"]), b["dtype"], tuple(b["shape"]), b["kind"],

@@ -310,3 +310,16 @@ def test_large_prefill_phase_runs_one_gemm_a_linear_at_every_row_count():
             assert len(ran) == 4 * spec.n_layers
             assert all(x.kernel == ("gemm_wgp_f16" if opt == "auto" and rows <= WGP_MAX_ROWS else "gemm_wg256_f16")
                        for x in ran), (opt, rows)
+
+
+def test_symbol_ranges_gate_a_value_and_the_version_says_so():
+    """A symbol expression with a range is 0 outside it (its launch skipped), its plain value inside; validation sees
+    every alternative (gate=False). Programs that may hold ranges are version 2: this runtime reads 1 and 2, and an
+    unknown version is a one-line error rather than a program run with its alternatives all launched."""
+    from imp_runtime.program import ProgramError, evaluate, from_dict
+    v = {"sym": "rows", "ceil_div": 128, "range": [513, 2048]}
+    assert [evaluate(v, {"rows": r}) for r in (1, 512, 513, 2048, 2049)] == [0, 0, 5, 16, 0]
+    assert evaluate(v, {"rows": 100}, gate=False) == 1
+    assert evaluate({"sym": "rows", "mul": 0, "add": 132, "range": [1, 512]}, {"rows": 300}) == 132
+    with pytest.raises(ProgramError, match="program version 3"):
+        from_dict({"version": 3})
