@@ -175,9 +175,9 @@ class LinearLaunches:
         gate = None
         if self.rows_max > WG_MID_CHUNK and self.opt.prefill_gemm == "auto" and (
                 isinstance(rows, dict) or self.rows_max <= WGP_MAX_ROWS):
-            # steps of 257 to WGP_MAX_ROWS rows: the persistent ping-pong GEMM (128 x 128 tiles, a block an SM: no
-            # wave of half-filled SMs, one consumer's epilogue under the other's main loop); more rows: the
-            # per-tile kernel below, whose wider tiles run full chunks faster (BENCHMARKS.md, eleventh session).
+            # a phase past WG_MID_CHUNK rows, at steps of up to WGP_MAX_ROWS rows: the persistent ping-pong GEMM
+            # (128 x 128 tiles, a block an SM: no wave of half-filled SMs, one consumer's epilogue under the other's
+            # main loop); more rows: the per-tile kernel below, faster there (BENCHMARKS.md, eleventh session).
             # In a phase that takes both, each launch's grid is gated on the step's rows: one of the two runs.
             both = self.rows_max > WGP_MAX_ROWS
             tiles = -(-lin.n // 128) * -(-min(self.rows_max, WGP_MAX_ROWS) // WG_TILE_M)
