@@ -39,6 +39,7 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
     t_end = time.perf_counter() + seconds
     t_warm = time.perf_counter() + warm
     errors = [0]
+    gaps: list[float] = []          # ms between a stream's consecutive tokens as they arrive (0: in the same read)
 
     async def one(i: int) -> None:
         while time.perf_counter() < t_end:
@@ -49,6 +50,7 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
                          b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
             await writer.drain()
             buf = b""
+            last = None
             while time.perf_counter() < t_end:
                 data = await reader.read(65536)
                 if not data:
@@ -56,8 +58,13 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
                 buf += data
                 n = buf.count(b"\ndata: {")
                 if n:
-                    if time.perf_counter() >= t_warm:
+                    now = time.perf_counter()
+                    if now >= t_warm:
                         counts[0] += n
+                        if last is not None:
+                            gaps.append(1e3 * (now - last))
+                        gaps.extend([0.0] * (n - 1))
+                    last = now
                     buf = buf[buf.rfind(b"\ndata: {") + 1:]
                 if b"[DONE]" in buf or b'"error"' in buf:
                     errors[0] += b'"error"' in buf
@@ -65,7 +72,10 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
             writer.close()
 
     await asyncio.gather(*(one(i) for i in range(clients)))
-    print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0]}))
+    gaps.sort()
+    pct = (lambda q: round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 2)) if gaps else (lambda q: None)
+    print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0], "gap_ms_p50": pct(0.5),
+                      "gap_ms_p99": pct(0.99), "together": round(sum(g == 0.0 for g in gaps) / max(len(gaps), 1), 3)}))
 
 
 async def _prefix_client(port: int, prefix: int, new: int, requests: int, vocab: int) -> None:
@@ -167,7 +177,9 @@ def main() -> None:
     rate = r["tokens"] / r["seconds"]
     print(f"{a.clients} clients, simulated step {a.gpu_ms} ms, loop {a.loop}, http {a.http}: {rate:.0f} output tok/s "
           f"({100 * rate / ceiling:.0f}% of the {ceiling:.0f} the device allows), {r['errors']} errors; the device "
-          f"idle {1e3 * gpu.idle_s / max(t.steps, 1):.2f} ms a step\n  scheduler: {t.line()}")
+          f"idle {1e3 * gpu.idle_s / max(t.steps, 1):.2f} ms a step; inter-token gaps at the clients p50 "
+          f"{r['gap_ms_p50']} / p99 {r['gap_ms_p99']} ms, {100 * r['together']:.0f}% of tokens in the same read as the "
+          f"one before\n  scheduler: {t.line()}")
 
 
 if __name__ == "__main__":
