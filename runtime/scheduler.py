@@ -70,9 +70,14 @@ class SchedulerConfig:
     mixed: bool = False          # the step's prefill chunks ride in its decode launch (one mixed step)
     ahead: bool = False          # (pipelined) launch each decode before collecting the previous one
 
+    @staticmethod
+    def running_limit(executor, max_running: int | None) -> int:
+        """Requests decoding at once: as asked (None: all the executor's batch can take), at most its max_batch."""
+        return min(max_running or executor.max_batch, executor.max_batch)
+
     @classmethod
     def for_executor(cls, executor, max_running: int | None = None) -> "SchedulerConfig":
-        running = min(max_running or executor.max_batch, executor.max_batch)
+        running = cls.running_limit(executor, max_running)
         pipeline = getattr(executor, "async_decode", False) and os.environ.get("IMP_PIPELINE") != "0"
         return cls(running, max(executor.prefill_chunk, running), executor.prefill_chunk, pipeline=pipeline,
                    mixed=getattr(executor, "mixed_steps", False) and os.environ.get("IMP_MIXED") != "0",

@@ -291,10 +291,9 @@ def test_large_prefill_phase_runs_one_gemm_a_linear_at_every_row_count():
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
-    from tests.test_templates_compile import SHAPES
+    from tests.test_templates_compile import SHAPES, default_formats
     spec, t = SHAPES["qwen3-8b"], load_target("sm_90a")
-    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
-               for n, s in spec.tensor_shapes().items()}
+    formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
     for opt, kinds in (("auto", {"gemm_wgp_f16", "gemm_wg256_f16"}), ("tiles", {"gemm_wg256_f16"})):
         prog = build_program(spec, formats, t, plan, ProgramOptions(prefill_gemm=opt), None)

@@ -33,6 +33,12 @@ SHAPES = {
 }
 
 
+def default_formats(spec: ModelSpec) -> dict[str, str]:
+    """NVFP4 layer and head matrices, a bf16 embedding, float32 norms: the formats a default compile gives."""
+    return {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
+            for n, s in spec.tensor_shapes().items()}
+
+
 def _nvcc():
     from impc.errors import CompileError
     from impc.emit import nvcc_path, nvcc_version
@@ -62,8 +68,7 @@ def test_templates_compile(shape, target):
     if spec.head_dim % 64 == 0:         # the wgmma prefill attention (templates/attn_prefill_wgmma.cu.j2)
         sm90.add("attn_prefill_wg")
     assert symbols == set(EXPECTED) | (sm90 if target == "sm_90a" else set())
-    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
-               for n, s in spec.tensor_shapes().items()}
+    formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
     prog = build_program(spec, formats, t, plan, ProgramOptions(), symbols)
     launched = {x.kernel for ph in prog.phases for x in ph.launches}
@@ -110,8 +115,7 @@ def test_prefill_attention_option():
     assert fa_wg_geometry(128, b) is None and fa_wg_geometry(80, h) is None and fa_wg_geometry(320, h) is None
     assert fa_wg_geometry(64, h)["kt"] == 128 and fa_wg_geometry(256, h)["kt"] == 64
     spec = SHAPES["qwen3-8b"]
-    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
-               for n, s in spec.tensor_shapes().items()}
+    formats = default_formats(spec)
     plan = plan_memory(spec, formats, [h], None, 4096, 64)
     for option, kernel in (("wgmma", "attn_prefill_wg"), ("mma", "attn_prefill_f16")):
         prog = build_program(spec, formats, h, plan, ProgramOptions(prefill_attention=option), None)
@@ -138,8 +142,7 @@ def test_gpu_penalties_program():
     from impc.plan import plan_memory
     from impc.targets import load_target
     spec, t = SHAPES["tiny-llama"], load_target("sm_90a")
-    formats = {n: ("nvfp4" if len(s) == 2 and n != "embed" else "bf16" if len(s) == 2 else "f32")
-               for n, s in spec.tensor_shapes().items()}
+    formats = default_formats(spec)
     names = ("pen_counts", "pen_seen", "repetition_penalty", "presence_penalty", "frequency_penalty")
     plain = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 512, 64, gpu_penalties=False),
                           ProgramOptions(gpu_penalties=False), None)

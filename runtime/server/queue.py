@@ -65,7 +65,7 @@ class FairQueue:
         self.metrics = metrics
         self.scheduler = engine.scheduler
         cfg = self.scheduler.config
-        cfg.max_running = min(max_running or engine.executor.max_batch, engine.executor.max_batch)
+        cfg.max_running = cfg.running_limit(engine.executor, max_running)
         # every running request decodes each step, whatever the budget; the rest of it goes to prefill
         cfg.step_tokens = max(step_tokens or cfg.step_tokens, cfg.max_running + 1)
         self.jobs: dict[int, Job] = {}            # id(request) -> job, owned by the worker
