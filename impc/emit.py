@@ -82,13 +82,14 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
     from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS
-    from impc.launches import fa_wg_geometry
+    from impc.launches import attn_decode_geometry, fa_wg_geometry
     from impc.launch_linear import WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES, "threads": WG_THREADS},
            "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec)},
-           "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False}, "omit": frozenset(omit)}
+           "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False},
+           "ad": attn_decode_geometry(spec.head_dim, spec.n_heads // spec.n_kv_heads, target), "omit": frozenset(omit)}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
         parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))

@@ -75,6 +75,20 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
     return frozenset({"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else ())
 
 
+def attn_decode_geometry(head_dim: int, gqa_group: int, target: dict) -> dict:
+    """The shared memory of attn_decode_f16's blocks (templates/attn_decode.cu.j2): chunks of 4096 / head_dim keys
+    (16..64), a ring stage a chunk's K and V rows padded by 8 elements, plus the partial scores; two stages
+    (smem2), and on Hopper, where four blocks of three stages fit an SM, attn_decode_f16_r3's three (smem3; None
+    where it is not emitted)."""
+    chunk = min(64, max(16, 4096 // head_dim // 16 * 16))
+    units, warps, ksteps = chunk // 16, 4, head_dim // 16
+    kp = warps // units if units < warps and warps % units == 0 and ksteps % (warps // units) == 0 else 1
+    stage = 2 * chunk * (head_dim + 8) * 2
+    scores = kp * gqa_group * (chunk + 8) * 4
+    ring3 = target["compute_capability"][0] == 9 and 4 * (3 * stage + scores + 1024) <= 228 * 1024
+    return {"smem2": 2 * stage + scores, "smem3": 3 * stage + scores if ring3 else None}
+
+
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
     """(threads, query rows, dynamic shared memory) of a block of attn_prefill_f16 (templates/attn_prefill.cu.j2):
     4 warps of 2 row blocks of 16 (1 above head_dim 128), the Q tile and two double-buffered K and V tiles of
@@ -106,7 +120,10 @@ class ProgramBuilder(LinearLaunches):
         self.wg_mode = t.get("prefill_weights", "none")
         if self.gemv_rows is None:
             self.gemv_rows = self.default_gemv_rows()
-        self.kernel_smem = {self.fa_kernel: self.fa_smem}
+        self.ad = attn_decode_geometry(spec.head_dim, spec.n_heads // spec.n_kv_heads, target)
+        self.kernel_smem = {self.fa_kernel: self.fa_smem, "attn_decode_f16": self.ad["smem2"]}
+        if self.ad["smem3"]:
+            self.kernel_smem["attn_decode_f16_r3"] = self.ad["smem3"]
         self.buffers: dict[str, Buffer] = {}
 
     # ------------------------------------------------------------------ arena
@@ -219,12 +236,16 @@ class ProgramBuilder(LinearLaunches):
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
         part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
         counts = b * s.n_kv_heads * 4
-        e.add("attn_decode_f16", (rows, s.n_kv_heads, splits), (128,),
+        # a block a (sequence, kv head) walks the whole context: the three-stage ring where there is one
+        ring3 = splits == 1 and isinstance(rows, int) and self.ad["smem3"] is not None
+        kernel, smem = ("attn_decode_f16_r3", self.ad["smem3"]) if ring3 else ("attn_decode_f16", self.ad["smem2"])
+        e.add(kernel, (rows, s.n_kv_heads, splits), (128,),
               [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
                ptr("partial"), ptr("attn_counts"), ptr("attn"), i32(window), i32(self.max_pages), i32(ofmt)],
               [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
                ("attn_counts", counts)],
-              [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))])
+              [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))],
+              smem=smem)
 
     def sample(self, e: _Emitter, rows) -> None:
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size

@@ -148,6 +148,21 @@ def _chunk_tokens(result) -> list[int | None]:
 
 _log = logging.getLogger("imp.scheduler")
 _STATS_EVERY = int(os.environ.get("IMP_STEP_STATS", "0") or 0)
+_TRACE_PATH = os.environ.get("IMP_STEP_TRACE") or None
+
+
+class StepTrace:
+    """IMP_STEP_TRACE=FILE: a line a step (start and end on the monotonic clock in seconds, decode rows and prefill
+    tokens launched, requests running and waiting), to see where a served load leaves the device idle
+    (scripts/step_trace.py reads it)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)   # noqa: SIM115 - line-buffered, open for the process's life
+        self.rows = self.tokens = 0
+
+    def write(self, t0: float, t1: float, running: int, waiting: int) -> None:
+        self.file.write(f"{t0:.6f} {t1:.6f} {self.rows} {self.tokens} {running} {waiting}\n")
+        self.rows = self.tokens = 0
 
 
 class Scheduler:
@@ -159,6 +174,7 @@ class Scheduler:
         self._lock = threading.Lock()      # held by a step; cancel frees pages at once when it is free
         self._in_flight: _InFlight | None = None    # pipelined: the decode launched by the last step
         self.times = StepTimes()
+        self.trace = StepTrace(_TRACE_PATH) if _TRACE_PATH else None
         # counters for metrics
         self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0         # of which found
@@ -206,7 +222,10 @@ class Scheduler:
         out = self._step()
         t = self.times
         t.steps += 1
-        t.total_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        t.total_s += t1 - t0
+        if self.trace:
+            self.trace.write(t0, t1, len(self.running), len(self.waiting) + len(self._inbox))
         if _STATS_EVERY and t.steps % _STATS_EVERY == 0:
             _log.warning("step times: %s", t.line())
         return out
@@ -470,6 +489,9 @@ class Scheduler:
         finally:
             self.times.decode_s += time.perf_counter() - t0
             self.times.decode_rows += len(rows)
+            if self.trace:
+                self.trace.rows += len(rows)
+                self.trace.tokens += sum(n for _, n in rides)
         return []
 
     def _land(self, flight: _InFlight | None = None) -> tuple[list[StepOutput], list[tuple[Request, int]]]:
@@ -523,6 +545,8 @@ class Scheduler:
                 continue
             finally:
                 self.times.prefill_s += time.perf_counter() - t0
+                if self.trace:
+                    self.trace.tokens += n
             out += self._chunk_done((req, n), logits, launched=False)
         return out
 

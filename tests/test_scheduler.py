@@ -108,6 +108,25 @@ def test_chunked_prefill_equals_whole_and_interleaves_with_decoding(bundle):
     assert eng.blocks.in_use() == 0
 
 
+def test_step_trace_counts_every_decode_row_and_prompt_token(bundle, tmp_path):
+    """IMP_STEP_TRACE's lines (scripts/step_trace.py reads them) against what the requests themselves did: every
+    token but each prompt's first was a decode row, every prompt token was prefilled once (no shared prefixes)."""
+    from imp_runtime.scheduler import StepTrace
+    eng = Engine(bundle, device="cpu")
+    eng.scheduler.config.prefill_chunk = eng.scheduler.config.step_tokens = 32
+    eng.scheduler.trace = StepTrace(str(tmp_path / "trace.txt"))
+    ps = prompts(3, 40, seed=4)
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    outs = eng.generate_many(ps, params)
+    eng.scheduler.trace.file.close()
+    lines = [list(map(float, line.split())) for line in (tmp_path / "trace.txt").read_text().splitlines()]
+    assert lines and all(len(x) == 6 and x[1] >= x[0] for x in lines)
+    assert all(b[0] >= a[1] for a, b in zip(lines, lines[1:]))           # steps in order, not overlapping
+    assert sum(x[2] for x in lines) == sum(len(o) - 1 for o in outs) == 3 * 6
+    assert sum(x[3] for x in lines) == sum(len(p) for p in ps)
+    assert max(x[3] for x in lines) <= 32
+
+
 def test_cancel_frees_pages_at_once(bundle):
     eng = Engine(bundle, device="cpu")
     a, b = eng.submit(prompts(1, 40)[0], GREEDY), eng.submit(prompts(1, 50, seed=1)[0], GREEDY)

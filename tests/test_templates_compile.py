@@ -15,7 +15,7 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
             "apply_penalties", "count_sampled"]                     # --gpu-penalties
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
-                 "gemm_wgp_f16", "gemm_wgp_bf16",
+                 "gemm_wgp_f16", "gemm_wgp_bf16", "attn_decode_f16_r3",
                  *[f"gemm_wq{n}" for n in (16, 32, 64)]]
 
 SHAPES = {
