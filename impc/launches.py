@@ -236,8 +236,9 @@ class ProgramBuilder(LinearLaunches):
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
         part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
         counts = b * s.n_kv_heads * 4
-        # a block a (sequence, kv head) walks the whole context: the three-stage ring where there is one
-        ring3 = splits == 1 and isinstance(rows, int) and self.ad["smem3"] is not None
+        # one or two blocks a (sequence, kv head), each walking half the context or more: the three-stage ring
+        # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
+        ring3 = splits <= 2 and isinstance(rows, int) and self.ad["smem3"] is not None
         kernel, smem = ("attn_decode_f16_r3", self.ad["smem3"]) if ring3 else ("attn_decode_f16", self.ad["smem2"])
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,),
               [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),

@@ -594,10 +594,10 @@ def test_qkv_rope_cache(ex):
 
 
 @pytest.mark.parametrize("layer", [0, 1])
-@pytest.mark.parametrize("b", [8, 64])
+@pytest.mark.parametrize("b", [8, 32, 64])
 def test_attn_decode(ex, layer, b):
     """attn_decode_f16, one launch: the program's G blocks a (sequence, kv head) (G > 1 at batch 8; at 64 G = 1,
-    on Hopper attn_decode_f16_r3, the three-stage ring), the last of them merging the splits, over contexts of 1 to past 4,096 tokens (one split up to 64 keys, 64 splits at
+    on Hopper attn_decode_f16_r3, the three-stage ring, as at 32 with G = 2), the last of them merging the splits, over contexts of 1 to past 4,096 tokens (one split up to 64 keys, 64 splits at
     5,000), for a full layer and (gemma3) a sliding-window one. Run twice: the merging blocks leave their
     counters at 0 for the next launch, and the two results are bitwise the same."""
     from imp_runtime.executor_cpu import attention
