@@ -140,3 +140,28 @@ def test_the_async_backend_is_loaded_before_the_first_request():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["False", "True"]
+
+
+def test_load_generator_counts_what_it_asked_for(server, tmp_path):
+    """scripts/bench_serve.py (clients over two processes) against the live server: every request streams the
+    max_tokens it asked for (ignore_eos), so the output tokens are requests x max_tokens, each request's TTFT and the
+    run's window are positive; with a wrong key every request fails and the exit status says so."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_serve.py"
+    base = [sys.executable, str(script), server.url, "--clients", "3", "--requests", "5", "--prompt-len", "12",
+            "--output-len", "6", "--ignore-eos", "--procs", "2", "--token-range", "100-2000"]
+    out = tmp_path / "run.json"
+    p = subprocess.run(base + ["--api-key", API_KEY, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["failures"] == 0 and r["requests"] == 5
+    assert r["output_tokens"] == 5 * 6
+    assert sorted(q["index"] for q in r["per_request"]) == [0, 1, 2, 3, 4]
+    assert all(q["output_tokens"] == 6 and q["ttft_ms"] > 0 for q in r["per_request"])
+    assert r["wall_s"] > 0 and r["itl_ms_p50"] is not None
+    bad = subprocess.run(base + ["--api-key", "wrong-key"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert "5 requests, 3 clients" in bad.stdout and "5 failed" in bad.stdout and "HTTP 401" in bad.stderr
