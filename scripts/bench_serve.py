@@ -147,7 +147,10 @@ def _client_process(a, specs: list[Spec], clients: int, next_spec, start, out) -
             with lock:
                 results.append(res)
 
-    start.wait()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:        # the parent gave up waiting for a process
+        return
     threads = [threading.Thread(target=client_loop, args=(c,), daemon=True) for c in conns]
     for t in threads:
         t.start()
@@ -168,7 +171,12 @@ def bench(a) -> dict:
                 for n in shares]
     for c in children:
         c.start()
-    start.wait()                    # every client's connection object is built
+    try:
+        start.wait(timeout=120)     # every client's connection object is built
+    except threading.BrokenBarrierError:
+        for c in children:
+            c.terminate()
+        raise SystemExit("bench_serve: a client process did not start within 120 s")
     cpu0 = cpu_seconds(a.server_pid)
     t0 = time.perf_counter()
     results: list[Result] = []
