@@ -165,6 +165,16 @@ class StepTrace:
         self.rows = self.tokens = 0
 
 
+def _open_trace(path: str | None) -> StepTrace | None:
+    if not path:
+        return None
+    try:
+        return StepTrace(path)
+    except OSError as e:            # a diagnostic must not stop the server: say so and run without it
+        _log.warning("IMP_STEP_TRACE=%s cannot be written (%s): no step trace", path, e.strerror or e)
+        return None
+
+
 class Scheduler:
     def __init__(self, executor, blocks: BlockManager, config: SchedulerConfig):
         self.executor, self.blocks, self.config = executor, blocks, config
@@ -174,7 +184,7 @@ class Scheduler:
         self._lock = threading.Lock()      # held by a step; cancel frees pages at once when it is free
         self._in_flight: _InFlight | None = None    # pipelined: the decode launched by the last step
         self.times = StepTimes()
-        self.trace = StepTrace(_TRACE_PATH) if _TRACE_PATH else None
+        self.trace = _open_trace(_TRACE_PATH)
         # counters for metrics
         self.prefix_query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0         # of which found

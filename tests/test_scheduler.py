@@ -127,6 +127,14 @@ def test_step_trace_counts_every_decode_row_and_prompt_token(bundle, tmp_path):
     assert max(x[3] for x in lines) <= 32
 
 
+def test_a_step_trace_that_cannot_be_written_is_skipped_with_a_warning(tmp_path, caplog):
+    from imp_runtime.scheduler import _open_trace
+    with caplog.at_level("WARNING", logger="imp.scheduler"):
+        assert _open_trace(str(tmp_path / "no-such-dir" / "trace.txt")) is None
+    assert "cannot be written" in caplog.text
+    assert _open_trace(None) is None and _open_trace(str(tmp_path / "t.txt")) is not None
+
+
 def test_cancel_frees_pages_at_once(bundle):
     eng = Engine(bundle, device="cpu")
     a, b = eng.submit(prompts(1, 40)[0], GREEDY), eng.submit(prompts(1, 50, seed=1)[0], GREEDY)
