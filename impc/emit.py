@@ -89,7 +89,7 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES, "threads": WG_THREADS},
            "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec)},
            "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False},
-           "ad": attn_decode_geometry(spec.head_dim, spec.n_heads // spec.n_kv_heads, target), "omit": frozenset(omit)}
+           "ad": attn_decode_geometry(spec, target), "omit": frozenset(omit)}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
         parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))

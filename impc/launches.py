@@ -75,11 +75,12 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
     return frozenset({"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else ())
 
 
-def attn_decode_geometry(head_dim: int, gqa_group: int, target: dict) -> dict:
+def attn_decode_geometry(spec: ModelSpec, target: dict) -> dict:
     """The shared memory of attn_decode_f16's blocks (templates/attn_decode.cu.j2): chunks of 4096 / head_dim keys
     (16..64), a ring stage a chunk's K and V rows padded by 8 elements, plus the partial scores; two stages
     (smem2), and on Hopper, where four blocks of three stages fit an SM, attn_decode_f16_r3's three (smem3; None
     where it is not emitted)."""
+    head_dim, gqa_group = spec.head_dim, spec.n_heads // spec.n_kv_heads
     chunk = min(64, max(16, 4096 // head_dim // 16 * 16))
     units, warps, ksteps = chunk // 16, 4, head_dim // 16
     kp = warps // units if units < warps and warps % units == 0 and ksteps % (warps // units) == 0 else 1
@@ -120,7 +121,7 @@ class ProgramBuilder(LinearLaunches):
         self.wg_mode = t.get("prefill_weights", "none")
         if self.gemv_rows is None:
             self.gemv_rows = self.default_gemv_rows()
-        self.ad = attn_decode_geometry(spec.head_dim, spec.n_heads // spec.n_kv_heads, target)
+        self.ad = attn_decode_geometry(spec, target)
         self.kernel_smem = {self.fa_kernel: self.fa_smem, "attn_decode_f16": self.ad["smem2"]}
         if self.ad["smem3"]:
             self.kernel_smem["attn_decode_f16_r3"] = self.ad["smem3"]
