@@ -18,6 +18,11 @@ from imp_runtime.spec import ModelSpec
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
                "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
+# templates/gemv.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
+# GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
+GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid; the kernel's launch bounds)
+GR_SMEM = GR_STAGES * 8 * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
+GR_NB = (1, 2, 4)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
@@ -271,9 +276,12 @@ class LinearLaunches:
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
         if planes:
-            kern = f"gemv_{lin.fmt}_nb{nb}"
-            e.add(kern, ((lin.n + 15) // 16,), (256,),
-                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes)
+            kern, grid, smem = f"gemv_{lin.fmt}_nb{nb}", (lin.n + 15) // 16, 0
+            if self.ring_ok(lin, nb):
+                kern, grid, smem = self.ring_launch(kern, grid)
+            e.add(kern, (grid,), (256,),
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes,
+                  smem=smem)
             return
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
         gy = rows_div(rows, GEMM_TILE_M)
@@ -290,15 +298,30 @@ class LinearLaunches:
         e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
                                                i32(lin.k), i32(mode)], reads, writes)
 
+    def ring_ok(self, lin: _Lin, nb: int) -> bool:
+        """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the
+        stages need no guards and their scale bytes are 8-byte aligned; up to GR_NB rows)."""
+        warps = 4 if lin.name.endswith(".gate_up") else 8      # the warps splitting K (gate and up: 4 each)
+        return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4" and nb in GR_NB
+                and lin.k % (32 * warps * 4 * GR_UR) == 0)     # every warp's K range whole stages
+
+    def ring_launch(self, kern: str, tiles: int) -> tuple[str, int, int]:
+        """gemv_X -> gemv_ring_X: its name, persistent grid (GR_BLOCKS an SM at most) and dynamic shared memory."""
+        kern = "gemv_ring_" + kern[len("gemv_"):]
+        self.kernel_smem[kern] = GR_SMEM
+        return kern, min(tiles, GR_BLOCKS * self.sm_count), GR_SMEM
+
     def norm_fused(self, lin: _Lin, dec: bool, nb: int) -> bool:
         """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its
         prologue (templates/gemv.cu.j2 *_norm_nb1, emitted for hidden sizes whose planes fit 32 KB), where its
         blocks fit one wave (two an SM): each block pays the prologue, so over several waves it costs more
-        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%)."""
+        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%). Not where
+        the streamed GEMV runs: its 264 blocks each computing the norm made the 8B's qkv 43% -> 25% of the copy
+        bandwidth (BENCHMARKS.md, thirteenth session)."""
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
         return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
-                and -(-cols // 16) <= 2 * self.sm_count)
+                and -(-cols // 16) <= 2 * self.sm_count and not self.ring_ok(lin, nb))
 
     def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
         h = self.spec.hidden

@@ -194,10 +194,14 @@ class ProgramBuilder(LinearLaunches):
             elif dec:
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 ofmt = xfmt(down.fmt)
-                e.add(f"gemv_gated_{gate_up.fmt}_nb{nb}", ((gate_up.n // 2 + 15) // 16,), (256,),
+                kern, grid, smem = f"gemv_gated_{gate_up.fmt}_nb{nb}", (gate_up.n // 2 + 15) // 16, 0
+                if self.ring_ok(gate_up, nb):
+                    kern, grid, smem = self.ring_launch(kern, grid)
+                e.add(kern, (grid,), (256,),
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
                        i32(ofmt)],
-                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)])
+                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)],
+                      smem=smem)
             elif self.wq_ok(gate_up):
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)])
@@ -285,7 +289,10 @@ class ProgramBuilder(LinearLaunches):
             # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the
             # session before (BENCHMARKS, "Decode attention in one launch"). The NVFP4 decode GEMM past the GEMV's
             # rows keeps it: its weights stream in before its grid-dependency wait (BENCHMARKS, eleventh session).
-            e.no_pdl_next = dec or not self.wq
+            # So does one row's o on the streamed GEMV (its ring fills during the attention: b1 +2-3%; at 2-4 rows,
+            # -3%: BENCHMARKS, thirteenth session).
+            o_ring = b == 1 and dec and self.ring_ok(self.lin(f"layers.{i}.o"), nb)
+            e.no_pdl_next = not o_ring and (dec or not self.wq)
 
         self.layers(e, b, attention, dec, nb, split_k=True)
         self.head(e, b, dec, nb, split_k=True)

@@ -322,3 +322,40 @@ def test_symbol_ranges_gate_a_value_and_the_version_says_so():
     assert evaluate({"sym": "rows", "mul": 0, "add": 132, "range": [1, 512]}, {"rows": 300}) == 132
     with pytest.raises(ProgramError, match="program version 3"):
         from_dict({"version": 3})
+
+
+def test_streamed_gemv_where_whole_stages():
+    """Hopper's decode GEMVs of up to 4 rows take the streamed kernel (templates/gemv.cu.j2 gemv_ring_*) where every
+    warp's K range is whole ring stages: 32 k a chunk x 4 chunks a group x 2 groups a stage, over 8 warps (gate_up:
+    4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
+    8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes."""
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]                     # hidden 4096, intermediate 12288, q 4096 + k, v 1024 each
+    formats = default_formats(spec)
+    for target, streamed in (("sm_90a", True), ("sm_120a", False)):
+        t = load_target(target)
+        prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), None)
+        for b in (1, 2, 4):
+            layer0 = [x for x in prog.phase("decode", b).launches if x.kernel.startswith("gemv_")][:4]
+            if not streamed:
+                assert not any("ring" in x.kernel for x in layer0)
+                continue
+            nb = f"nb{b}"
+            assert [x.kernel for x in layer0] == [f"gemv_ring_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
+                                                  f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
+            # qkv 6144 rows = 384 tiles, o 256, gate_up 12288 outputs = 768, down 256; 132 SMs
+            assert [x.grid[0] for x in layer0] == [264, 256, 264, 256]
+            assert all(x.smem == 73728 for x in layer0)
+        if streamed:
+            assert prog.kernel_smem["gemv_ring_nvfp4_nb1"] == 73728
+    # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
+    from imp_runtime.spec import ModelSpec
+    small = ModelSpec(family="llama", vocab_size=49152, hidden=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                      intermediate=1536, norm_eps=1e-5, rope_theta=1e5, max_position=2048)
+    t = load_target("sm_90a")
+    f = default_formats(small)
+    prog = build_program(small, f, t, plan_memory(small, f, [t], None, 2048, 64), ProgramOptions(), None)
+    assert not any("ring" in x.kernel for ph in prog.phases for x in ph.launches)
