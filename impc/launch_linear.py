@@ -315,13 +315,14 @@ class LinearLaunches:
         """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its
         prologue (templates/gemv.cu.j2 *_norm_nb1, emitted for hidden sizes whose planes fit 32 KB), where its
         blocks fit one wave (two an SM): each block pays the prologue, so over several waves it costs more
-        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%). Not where
-        the streamed GEMV runs: its 264 blocks each computing the norm made the 8B's qkv 43% -> 25% of the copy
-        bandwidth (BENCHMARKS.md, thirteenth session)."""
+        than the launch it saves (measured: SmolLM2 batch 1 +9%; the 8B shape, 1.5 and 3 waves, -5%). It comes
+        before the streamed GEMV where both apply; the streamed GEMV itself has no fused norm: its 264 persistent
+        blocks each computing it made the 8B's qkv 43% -> 25% of the copy bandwidth (BENCHMARKS.md, thirteenth
+        session)."""
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
         return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
-                and -(-cols // 16) <= 2 * self.sm_count and not self.ring_ok(lin, nb))
+                and -(-cols // 16) <= 2 * self.sm_count)
 
     def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
         h = self.spec.hidden
