@@ -76,10 +76,10 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
 
 
 def attn_decode_geometry(spec: ModelSpec, target: dict) -> dict:
-    """The shared memory of attn_decode_f16's blocks (templates/attn_decode.cu.j2): chunks of 4096 / head_dim keys
-    (16..64), a ring stage a chunk's K and V rows padded by 8 elements, plus the partial scores; two stages
-    (smem2), and on Hopper, where four blocks of three stages fit an SM, attn_decode_f16_r3's three (smem3; None
-    where it is not emitted)."""
+    """The geometry attn_decode_f16 is rendered with (templates/attn_decode.cu.j2), and its blocks' shared memory:
+    chunks of 4096 / head_dim keys (16..64), the warps splitting a 16-key unit's head dimension (kp), a ring stage
+    a chunk's K and V rows padded by 8 elements, plus the partial scores; two stages (smem2), and on Hopper, where
+    four blocks of three stages fit an SM, attn_decode_f16_r3's three (smem3; None where it is not emitted)."""
     head_dim, gqa_group = spec.head_dim, spec.n_heads // spec.n_kv_heads
     chunk = min(64, max(16, 4096 // head_dim // 16 * 16))
     units, warps, ksteps = chunk // 16, 4, head_dim // 16
@@ -87,7 +87,7 @@ def attn_decode_geometry(spec: ModelSpec, target: dict) -> dict:
     stage = 2 * chunk * (head_dim + 8) * 2
     scores = kp * gqa_group * (chunk + 8) * 4
     ring3 = target["compute_capability"][0] == 9 and 4 * (3 * stage + scores + 1024) <= 228 * 1024
-    return {"smem2": 2 * stage + scores, "smem3": 3 * stage + scores if ring3 else None}
+    return {"chunk": chunk, "kp": kp, "smem2": 2 * stage + scores, "smem3": 3 * stage + scores if ring3 else None}
 
 
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:

@@ -73,7 +73,8 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
 
     await asyncio.gather(*(one(i) for i in range(clients)))
     gaps.sort()
-    pct = (lambda q: round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 2)) if gaps else (lambda q: None)
+    # (the percentile rule of scripts/bench_serve.py: the sample nearest to q of the way from the least to the most)
+    pct = (lambda q: round(gaps[min(len(gaps) - 1, max(0, round(q * (len(gaps) - 1))))], 2)) if gaps else (lambda q: None)
     print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0], "gap_ms_p50": pct(0.5),
                       "gap_ms_p99": pct(0.99), "together": round(sum(g == 0.0 for g in gaps) / max(len(gaps), 1), 3)}))
 
