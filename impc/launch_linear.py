@@ -276,9 +276,7 @@ class LinearLaunches:
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
         if planes:
-            kern, grid, smem = f"gemv_{lin.fmt}_nb{nb}", (lin.n + 15) // 16, 0
-            if self.ring_ok(lin, nb):
-                kern, grid, smem = self.ring_launch(kern, grid)
+            kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, (lin.n + 15) // 16)
             e.add(kern, (grid,), (256,),
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes,
                   smem=smem)
@@ -305,8 +303,11 @@ class LinearLaunches:
         return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4" and nb in GR_NB
                 and lin.k % (32 * warps * 4 * GR_UR) == 0)     # every warp's K range whole stages
 
-    def ring_launch(self, kern: str, tiles: int) -> tuple[str, int, int]:
-        """gemv_X -> gemv_ring_X: its name, persistent grid (GR_BLOCKS an SM at most) and dynamic shared memory."""
+    def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
+        """The decode GEMV `kern` (gemv_X) of lin over `tiles` 16-row tiles: (kernel, grid, dynamic shared memory);
+        where ring_ok, gemv_ring_X on its persistent grid (GR_BLOCKS an SM at most)."""
+        if not self.ring_ok(lin, nb):
+            return kern, tiles, 0
         kern = "gemv_ring_" + kern[len("gemv_"):]
         self.kernel_smem[kern] = GR_SMEM
         return kern, min(tiles, GR_BLOCKS * self.sm_count), GR_SMEM

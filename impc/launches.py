@@ -194,9 +194,8 @@ class ProgramBuilder(LinearLaunches):
             elif dec:
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 ofmt = xfmt(down.fmt)
-                kern, grid, smem = f"gemv_gated_{gate_up.fmt}_nb{nb}", (gate_up.n // 2 + 15) // 16, 0
-                if self.ring_ok(gate_up, nb):
-                    kern, grid, smem = self.ring_launch(kern, grid)
+                kern, grid, smem = self.gemv_launch(f"gemv_gated_{gate_up.fmt}_nb{nb}", gate_up, nb,
+                                                    (gate_up.n // 2 + 15) // 16)
                 e.add(kern, (grid,), (256,),
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
                        i32(ofmt)],

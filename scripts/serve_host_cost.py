@@ -72,11 +72,10 @@ async def _client_main(port: int, clients: int, seconds: float, warm: float, pro
             writer.close()
 
     await asyncio.gather(*(one(i) for i in range(clients)))
-    gaps.sort()
-    # (the percentile rule of scripts/bench_serve.py: the sample nearest to q of the way from the least to the most)
-    pct = (lambda q: round(gaps[min(len(gaps) - 1, max(0, round(q * (len(gaps) - 1))))], 2)) if gaps else (lambda q: None)
-    print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0], "gap_ms_p50": pct(0.5),
-                      "gap_ms_p99": pct(0.99), "together": round(sum(g == 0.0 for g in gaps) / max(len(gaps), 1), 3)}))
+    from bench_serve import percentile      # the served-load harness's rule, so the two scripts' figures compare
+    pct = lambda p: None if not gaps else round(percentile(gaps, p), 2)      # noqa: E731
+    print(json.dumps({"tokens": counts[0], "seconds": seconds - warm, "errors": errors[0], "gap_ms_p50": pct(50),
+                      "gap_ms_p99": pct(99), "together": round(sum(g == 0.0 for g in gaps) / max(len(gaps), 1), 3)}))
 
 
 async def _prefix_client(port: int, prefix: int, new: int, requests: int, vocab: int) -> None:
