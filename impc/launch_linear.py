@@ -20,7 +20,9 @@ PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16",
                "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
 # templates/gemv.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
-GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid; the kernel's launch bounds)
+GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid)
+GR_RESIDENT = 2                                # the blocks an SM its registers allow (launch bounds; > GR_BLOCKS: the
+                                               # next kernel's blocks start beside this one's and prefetch)
 GR_SMEM = GR_STAGES * 8 * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR_NB = (1, 2, 4)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
@@ -298,10 +300,13 @@ class LinearLaunches:
 
     def ring_ok(self, lin: _Lin, nb: int) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the
-        stages need no guards and their scale bytes are 8-byte aligned; up to GR_NB rows)."""
-        warps = 4 if lin.name.endswith(".gate_up") else 8      # the warps splitting K (gate and up: 4 each)
+        stages need no guards and their scale bytes are 8-byte aligned; output rows whole 16-row tiles, so the
+        copies need no clamp; up to GR_NB rows)."""
+        gated = lin.name.endswith(".gate_up")
+        warps = 4 if gated else 8                              # the warps splitting K (gate and up: 4 each)
         return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4" and nb in GR_NB
-                and lin.k % (32 * warps * 4 * GR_UR) == 0)     # every warp's K range whole stages
+                and lin.k % (32 * warps * 4 * GR_UR) == 0      # every warp's K range whole stages
+                and (lin.n // 2 if gated else lin.n) % 16 == 0)
 
     def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
         """The decode GEMV `kern` (gemv_X) of lin over `tiles` 16-row tiles: (kernel, grid, dynamic shared memory);

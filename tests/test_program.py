@@ -359,3 +359,12 @@ def test_streamed_gemv_where_whole_stages():
     f = default_formats(small)
     prog = build_program(small, f, t, plan_memory(small, f, [t], None, 2048, 64), ProgramOptions(), None)
     assert not any("ring" in x.kernel for ph in prog.phases for x in ph.launches)
+    # Output rows not whole 16-row tiles (the stages copy without a clamp): an NVFP4 head of 49,153 rows on the
+    # per-block GEMV, of 49,152 rows streamed
+    for vocab, kern in ((49152, "gemv_ring_nvfp4_nb1"), (49153, "gemv_nvfp4_nb1")):
+        spec = ModelSpec(family="llama", vocab_size=vocab, hidden=4096, n_layers=2, n_heads=32, n_kv_heads=8,
+                         head_dim=128, intermediate=12288, norm_eps=1e-5, rope_theta=1e5, max_position=2048)
+        f = default_formats(spec)
+        assert f["lm_head"] == "nvfp4"
+        prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 2048, 64), ProgramOptions(), None)
+        assert [x.kernel for x in prog.phase("decode", 1).launches if x.kernel.startswith("gemv_")][-1] == kern
