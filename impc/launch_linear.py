@@ -21,9 +21,11 @@ PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16",
 # templates/gemv.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
 GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid)
-GR_RESIDENT = 2                                # the blocks an SM its registers allow (launch bounds; > GR_BLOCKS: the
-                                               # next kernel's blocks start beside this one's and prefetch)
-GR_SMEM = GR_STAGES * 8 * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
+GR_RESIDENT = 2                                # the blocks an SM its registers are sized for (launch bounds); 3 over a
+                                               # grid of 2 an SM, so the next kernel's blocks could start beside and
+                                               # prefetch, ran gate_up slower (BENCHMARKS.md, fourteenth session)
+GV_WARPS = 8                                   # the decode GEMVs' warps a block (templates/gemv.cu.j2 GV_WARPS)
+GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR_NB = (1, 2, 4)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
@@ -298,12 +300,12 @@ class LinearLaunches:
         e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
                                                i32(lin.k), i32(mode)], reads, writes)
 
-    def ring_ok(self, lin: _Lin, nb: int) -> bool:
+    def ring_ok(self, lin: _Lin, nb: int, gated: bool = False) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the
         stages need no guards and their scale bytes are 8-byte aligned; output rows whole 16-row tiles, so the
-        copies need no clamp; up to GR_NB rows)."""
-        gated = lin.name.endswith(".gate_up")
-        warps = 4 if gated else 8                              # the warps splitting K (gate and up: 4 each)
+        copies need no clamp; up to GR_NB rows). gated: the gate_up GEMV (gemv_ring_gated_*: its 8 warps split
+        between the gate and the up rows, so each K range is a quarter, and its outputs are half the rows)."""
+        warps = GV_WARPS // 2 if gated else GV_WARPS            # the warps splitting K (templates/gemv.cu.j2 KW)
         return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4" and nb in GR_NB
                 and lin.k % (32 * warps * 4 * GR_UR) == 0      # every warp's K range whole stages
                 and (lin.n // 2 if gated else lin.n) % 16 == 0)
@@ -311,7 +313,7 @@ class LinearLaunches:
     def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
         """The decode GEMV `kern` (gemv_X) of lin over `tiles` 16-row tiles: (kernel, grid, dynamic shared memory);
         where ring_ok, gemv_ring_X on its persistent grid (GR_BLOCKS an SM at most)."""
-        if not self.ring_ok(lin, nb):
+        if not self.ring_ok(lin, nb, gated=kern.startswith("gemv_gated_")):
             return kern, tiles, 0
         kern = "gemv_ring_" + kern[len("gemv_"):]
         self.kernel_smem[kern] = GR_SMEM
