@@ -92,7 +92,9 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
            "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False},
            "ad": attn_decode_geometry(spec, target),
            "gr": {"stages": GR_STAGES, "ur": GR_UR, "resident": GR_RESIDENT, "smem": GR_SMEM},
-           "omit": frozenset(omit)}
+           "omit": frozenset(omit),
+           # a developer build with phase timers in the decode GEMV and attention (scripts/kernel_phases.py)
+           "timers": os.environ.get("IMP_KERNEL_TIMERS") == "1"}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
         parts.append(f"// ==== {path.name} ====\n" + env.get_template(path.name).render(**ctx))

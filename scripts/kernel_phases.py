@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Where one decode kernel launch spends its time: the phase timers of a developer build (the prelude's phase_mark:
+thread 0 of each block stores %globaltimer at marked points), read after replaying the decode graph up to and
+including that launch, so it runs after its real predecessors (programmatic dependent launch included) and is the
+last of its kind to write the timers. Prints, per phase, when the grid's blocks reached it: the earliest, median
+and latest block, in us after the first block started; medians over --reps replays.
+
+Marked kernels (TIMER_GEMV, TIMER_ATTN in templates/prelude.cuh.j2):
+  gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view)
+  attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in, 4 merged (last block)
+
+The bundle must be compiled with the timers (they change the kernels' code; never ship such a bundle):
+  IMP_KERNEL_TIMERS=1 impc compile --synthetic examples/qwen3-8b.json -o build/syn-8b-timers --target sm_90a
+  python scripts/kernel_phases.py build/syn-8b-timers --kernel attn_decode --tokens 1 --context 512"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+FAMILIES = {"gemv_ring": (0, ("entry", "past pdl_wait", "first stage landed", "last stage done", "exit")),
+            "attn_decode": (1, ("entry", "past pdl_wait", "splits done", "counted in", "merged"))}
+TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES = 2, 1024, 8     # templates/prelude.cuh.j2
+
+
+def phase_table(timers, blocks: int, names) -> list[tuple[str, int, float, float, float]]:
+    """(phase, blocks that reached it, earliest, median, latest us after the first block's entry) of one
+    replay's timers [TIMER_BLOCKS, TIMER_PHASES] (ns; 0 where a block did not reach a phase). Every block of the
+    timed launch stores its entry; a phase value older than its block's entry was left by an earlier launch of the
+    same kind (a block that did not reach that phase this time: the attention's non-merging blocks) and is
+    skipped."""
+    t = timers[:blocks].astype("int64")
+    start = t[:, 0][t[:, 0] > 0].min()
+    rows = []
+    for p, name in enumerate(names):
+        v = t[:, p][(t[:, p] > 0) & (t[:, p] >= t[:, 0])]
+        if len(v):
+            us = (v - start) / 1e3
+            rows.append((name, len(v), float(us.min()), float(statistics.median(us.tolist())), float(us.max())))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--kernel", required=True, choices=sorted(FAMILIES), help="the kernel kind (a name prefix)")
+    ap.add_argument("--occurrence", type=int, default=-1,
+                    help="which launch of that kind in the step (default -1: the last; 0: the first)")
+    ap.add_argument("--tokens", type=int, default=1, help="decode rows (default 1)")
+    ap.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache (default 512)")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+
+    import numpy as np
+
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.cuda_driver import check, cu, dtoh
+    from imp_runtime.cuda_program import BoundPhase
+    from imp_runtime.executor import StepRow
+    from imp_runtime.executor_cuda import CudaExecutor
+    from imp_runtime.kv_blocks import BlockManager, SoloSequence
+    from imp_runtime.program import evaluate
+
+    ex = CudaExecutor(load_bundle(a.bundle))
+    err, dptr, nbytes = cu.cuModuleGetGlobal(ex.module.module, b"imp_timers")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        print(f"error: {a.bundle} has no phase timers; compile it with IMP_KERNEL_TIMERS=1", file=sys.stderr)
+        return 2
+    family, names = FAMILIES[a.kernel]
+    blocks = BlockManager(ex.num_pages, ex.page_size)
+    rng = np.random.default_rng(0)
+    seqs = [SoloSequence(ex, blocks) for _ in range(a.tokens)]
+    for s in seqs:
+        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
+        s._cover(s.length + 2)
+    ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])
+    b = next(x for x in ex.decode_buckets if x >= a.tokens)
+    full = ex.program.phase("decode", b)
+    hits = [i for i, x in enumerate(full.launches) if x.kernel.startswith(a.kernel)]
+    if not hits:
+        print(f"error: decode {b} launches no {a.kernel}*", file=sys.stderr)
+        return 2
+    index = hits[a.occurrence]
+    x = full.launches[index]
+    grid = [evaluate(g, {"rows": a.tokens}) for g in x.grid]
+    nblocks = min(TIMER_BLOCKS, int(np.prod(grid)))
+    bp = BoundPhase(replace(full, launches=full.launches[:index + 1]), ex.module, ex.arena, ex.program.symbols)
+    bp.capture(ex.stream)
+    host = np.zeros((TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES), np.uint64)
+    tables = []
+    for rep in range(a.reps + 3):
+        check(cu.cuMemsetD8Async(dptr, 0, nbytes, ex.stream))
+        bp.run(ex.stream)
+        dtoh(host, dptr, ex.stream)
+        if rep >= 3:
+            tables.append(phase_table(host[family], nblocks, names))
+    bp.release()
+    print(f"{ex.bundle.name}: decode {b} at context {a.context}, launch {index} {x.kernel} grid {tuple(grid)} "
+          f"({nblocks} blocks timed); us after the first block's entry, medians of {a.reps} replays")
+    print(f"  {'phase':20s} {'blocks':>6s} {'earliest':>9s} {'median':>9s} {'latest':>9s}")
+    for name in names:
+        rows = [r for t in tables for r in t if r[0] == name]
+        if rows:
+            med = lambda k: statistics.median(r[k] for r in rows)    # noqa: E731
+            print(f"  {name:20s} {int(med(1)):6d} {med(2):9.2f} {med(3):9.2f} {med(4):9.2f}")
+    ex.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
