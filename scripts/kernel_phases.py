@@ -6,7 +6,8 @@ last of its kind to write the timers. Prints, per phase, when the grid's blocks 
 and latest block, in us after the first block started; medians over --reps replays.
 
 Marked kernels (TIMER_GEMV, TIMER_ATTN in templates/prelude.cuh.j2):
-  gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view)
+  gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view);
+                    and the share of thread 0's loop spent waiting for its stages (memory) against computing
   attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in, 4 merged (last block)
 
 The bundle must be compiled with the timers (they change the kernels' code; never ship such a bundle):
@@ -42,6 +43,18 @@ def phase_table(timers, blocks: int, names) -> list[tuple[str, int, float, float
             us = (v - start) / 1e3
             rows.append((name, len(v), float(us.min()), float(statistics.median(us.tolist())), float(us.max())))
     return rows
+
+
+def wait_share(counters, blocks: int) -> tuple[float, float, float, float] | None:
+    """From the ring GEMV's cycle counts [TIMER_BLOCKS, TIMER_PHASES] (per block: 0 cycles thread 0 waited for its
+    stages to land, 1 cycles from its first stage to its exit, 2 stages): the share of the loop spent waiting
+    (median, lowest, highest block) and the median cycles a stage; None without counts."""
+    c = counters[:blocks].astype("float64")
+    c = c[(c[:, 1] > 0) & (c[:, 2] > 0)]
+    if not len(c):
+        return None
+    share = (c[:, 0] / c[:, 1]).tolist()
+    return (statistics.median(share), min(share), max(share), statistics.median((c[:, 1] / c[:, 2]).tolist()))
 
 
 def main() -> int:
@@ -90,14 +103,19 @@ def main() -> int:
     nblocks = min(TIMER_BLOCKS, int(np.prod(grid)))
     bp = BoundPhase(replace(full, launches=full.launches[:index + 1]), ex.module, ex.arena, ex.program.symbols)
     bp.capture(ex.stream)
+    _, cptr, _ = cu.cuModuleGetGlobal(ex.module.module, b"imp_counters")
     host = np.zeros((TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES), np.uint64)
-    tables = []
+    counts = np.zeros_like(host)
+    tables, shares = [], []
     for rep in range(a.reps + 3):
         check(cu.cuMemsetD8Async(dptr, 0, nbytes, ex.stream))
+        check(cu.cuMemsetD8Async(cptr, 0, nbytes, ex.stream))
         bp.run(ex.stream)
         dtoh(host, dptr, ex.stream)
+        dtoh(counts, cptr, ex.stream)
         if rep >= 3:
             tables.append(phase_table(host[family], nblocks, names))
+            shares.append(wait_share(counts[family], nblocks))
     bp.release()
     print(f"{ex.bundle.name}: decode {b} at context {a.context}, launch {index} {x.kernel} grid {tuple(grid)} "
           f"({nblocks} blocks timed); us after the first block's entry, medians of {a.reps} replays")
@@ -107,6 +125,11 @@ def main() -> int:
         if rows:
             med = lambda k: statistics.median(r[k] for r in rows)    # noqa: E731
             print(f"  {name:20s} {int(med(1)):6d} {med(2):9.2f} {med(3):9.2f} {med(4):9.2f}")
+    shares = [x for x in shares if x]
+    if shares:
+        med = lambda k: statistics.median(x[k] for x in shares)    # noqa: E731
+        print(f"  thread 0 of a block waited for its stages {100 * med(0):.0f}% of its loop (blocks "
+              f"{100 * med(1):.0f}-{100 * med(2):.0f}%); {med(3):.0f} cycles a stage")
     ex.close()
     return 0
 

@@ -21,6 +21,18 @@ def test_phase_table_from_hand_made_timers():
     assert rows[2] == ("done", 2, 3.0, 5.5, 8.0)
 
 
+def test_wait_share_from_hand_made_counts():
+    from scripts.kernel_phases import wait_share
+    c = np.zeros((6, 8), np.uint64)
+    c[0, :3] = (300, 1000, 4)        # 30% waiting, 250 cycles a stage
+    c[1, :3] = (500, 1000, 5)        # 50%, 200
+    c[2, :3] = (100, 1000, 2)        # 10%, 500
+    c[3, :3] = (0, 0, 0)             # a block without tiles: left out
+    c[5, :3] = (999, 1000, 1)        # past the launch's blocks
+    assert wait_share(c, 4) == (0.3, 0.1, 0.5, 250.0)
+    assert wait_share(np.zeros((4, 8), np.uint64), 4) is None
+
+
 def test_timers_only_in_the_developer_build(monkeypatch):
     from impc.emit import compile_cubin, render
     from impc.targets import load_target
@@ -38,4 +50,4 @@ def test_timers_only_in_the_developer_build(monkeypatch):
     src = "// ==== ".join([parts[0]] + [p for p in parts[1:] if p.split(" ")[0] in keep])
     nv, ver = _nvcc()
     cubin, _ = compile_cubin(src, t, nv, ver)
-    assert b"imp_timers" in cubin
+    assert b"imp_timers" in cubin and b"imp_counters" in cubin
