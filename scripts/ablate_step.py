@@ -25,25 +25,15 @@ def main() -> int:
                                       "gemv_,embedding_gather,sample_tokens")
     a = ap.parse_args()
 
-    import numpy as np
-
     from imp_runtime.bundle import load_bundle
     from imp_runtime.cuda_driver import check, cu
     from imp_runtime.cuda_program import BoundPhase
-    from imp_runtime.executor import StepRow
     from imp_runtime.executor_cuda import CudaExecutor
-    from imp_runtime.kv_blocks import BlockManager, SoloSequence
+    from scripts.decode_setup import decode_phase_at_context
 
     ex = CudaExecutor(load_bundle(a.bundle))
-    blocks = BlockManager(ex.num_pages, ex.page_size)
-    rng = np.random.default_rng(0)
-    seqs = [SoloSequence(ex, blocks) for _ in range(a.tokens)]
-    for s in seqs:
-        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
-        s._cover(s.length + 2)
-    ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])
-    b = next(x for x in ex.decode_buckets if x >= a.tokens)
-    full = ex.program.phase("decode", b)
+    full = decode_phase_at_context(ex, a.tokens, a.context)
+    b = full.tokens
     e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
 
     def time_phase(phase) -> float:

@@ -73,10 +73,9 @@ def main() -> int:
     from imp_runtime.bundle import load_bundle
     from imp_runtime.cuda_driver import check, cu, dtoh
     from imp_runtime.cuda_program import BoundPhase
-    from imp_runtime.executor import StepRow
     from imp_runtime.executor_cuda import CudaExecutor
-    from imp_runtime.kv_blocks import BlockManager, SoloSequence
     from imp_runtime.program import evaluate
+    from scripts.decode_setup import decode_phase_at_context
 
     ex = CudaExecutor(load_bundle(a.bundle))
     err, dptr, nbytes = cu.cuModuleGetGlobal(ex.module.module, b"imp_timers")
@@ -84,15 +83,8 @@ def main() -> int:
         print(f"error: {a.bundle} has no phase timers; compile it with IMP_KERNEL_TIMERS=1", file=sys.stderr)
         return 2
     family, names = FAMILIES[a.kernel]
-    blocks = BlockManager(ex.num_pages, ex.page_size)
-    rng = np.random.default_rng(0)
-    seqs = [SoloSequence(ex, blocks) for _ in range(a.tokens)]
-    for s in seqs:
-        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
-        s._cover(s.length + 2)
-    ex.decode([StepRow(s.sid, 5, s.length) for s in seqs])
-    b = next(x for x in ex.decode_buckets if x >= a.tokens)
-    full = ex.program.phase("decode", b)
+    full = decode_phase_at_context(ex, a.tokens, a.context)
+    b = full.tokens
     hits = [i for i, x in enumerate(full.launches) if x.kernel.startswith(a.kernel)]
     if not hits:
         print(f"error: decode {b} launches no {a.kernel}*", file=sys.stderr)
