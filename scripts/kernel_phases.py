@@ -8,7 +8,10 @@ and latest block, in us after the first block started; medians over --reps repla
 Marked kernels (TIMER_GEMV, TIMER_ATTN in templates/prelude.cuh.j2):
   gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view);
                     and the share of thread 0's loop spent waiting for its stages (memory) against computing
-  attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in, 4 merged (last block)
+  attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in; the merging blocks:
+                    5 past the count, 6 m and l staged, 7 weights staged, 4 merged (outputs stored)
+--with KIND prints the last launch of another marked kind before the timed one on the same time axis (e.g. the
+attention before an o projection: the time from its last block's end to the GEMV's pdl_wait is the boundary).
 
 The bundle must be compiled with the timers (they change the kernels' code; never ship such a bundle):
   IMP_KERNEL_TIMERS=1 impc compile --synthetic examples/qwen3-8b.json -o build/syn-8b-timers --target sm_90a
@@ -23,19 +26,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FAMILIES = {"gemv_ring": (0, ("entry", "past pdl_wait", "first stage landed", "last stage done", "exit")),
-            "attn_decode": (1, ("entry", "past pdl_wait", "splits done", "counted in", "merged"))}
+# family: (timer slot, phase names by index, the order they are printed in)
+FAMILIES = {"gemv_ring": (0, ("entry", "past pdl_wait", "first stage landed", "last stage done", "exit"), (0, 1, 2, 3, 4)),
+            "attn_decode": (1, ("entry", "past pdl_wait", "splits done", "counted in", "merged", "merge start",
+                                "m l staged", "weights staged"), (0, 1, 2, 3, 5, 6, 7, 4))}
 TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES = 2, 1024, 8     # templates/prelude.cuh.j2
 
 
-def phase_table(timers, blocks: int, names) -> list[tuple[str, int, float, float, float]]:
+def phase_table(timers, blocks: int, names, start=None) -> list[tuple[str, int, float, float, float]]:
     """(phase, blocks that reached it, earliest, median, latest us after the first block's entry) of one
     replay's timers [TIMER_BLOCKS, TIMER_PHASES] (ns; 0 where a block did not reach a phase). Every block of the
     timed launch stores its entry; a phase value older than its block's entry was left by an earlier launch of the
     same kind (a block that did not reach that phase this time: the attention's non-merging blocks) and is
-    skipped."""
+    skipped. start: the time axis's zero (ns; default this launch's first entry)."""
     t = timers[:blocks].astype("int64")
-    start = t[:, 0][t[:, 0] > 0].min()
+    if start is None:
+        start = t[:, 0][t[:, 0] > 0].min()
     rows = []
     for p, name in enumerate(names):
         v = t[:, p][(t[:, p] > 0) & (t[:, p] >= t[:, 0])]
@@ -57,6 +63,18 @@ def wait_share(counters, blocks: int) -> tuple[float, float, float, float] | Non
     return (statistics.median(share), min(share), max(share), statistics.median((c[:, 1] / c[:, 2]).tolist()))
 
 
+def hits_of(phase, kind: str) -> list[int]:
+    return [i for i, x in enumerate(phase.launches) if x.kernel.startswith(kind)]
+
+
+def print_phases(tables, names, order) -> None:
+    for p in order:
+        rows = [r for t in tables for r in t if r[0] == names[p]]
+        if rows:
+            med = lambda k: statistics.median(r[k] for r in rows)    # noqa: E731
+            print(f"  {names[p]:20s} {int(med(1)):6d} {med(2):9.2f} {med(3):9.2f} {med(4):9.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
@@ -66,6 +84,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1, help="decode rows (default 1)")
     ap.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache (default 512)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--with", dest="other", choices=sorted(FAMILIES),
+                    help="also the last launch of this kind before the timed one, on the same time axis")
     a = ap.parse_args()
 
     import numpy as np
@@ -82,10 +102,10 @@ def main() -> int:
     if err != cu.CUresult.CUDA_SUCCESS:
         print(f"error: {a.bundle} has no phase timers; compile it with IMP_KERNEL_TIMERS=1", file=sys.stderr)
         return 2
-    family, names = FAMILIES[a.kernel]
+    family, names, order = FAMILIES[a.kernel]
     full = decode_phase_at_context(ex, a.tokens, a.context)
     b = full.tokens
-    hits = [i for i, x in enumerate(full.launches) if x.kernel.startswith(a.kernel)]
+    hits = hits_of(full, a.kernel)
     if not hits:
         print(f"error: decode {b} launches no {a.kernel}*", file=sys.stderr)
         return 2
@@ -98,7 +118,15 @@ def main() -> int:
     _, cptr, _ = cu.cuModuleGetGlobal(ex.module.module, b"imp_counters")
     host = np.zeros((TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES), np.uint64)
     counts = np.zeros_like(host)
-    tables, shares = [], []
+    tables, shares, others = [], [], []
+    if a.other:
+        ofam, onames, oorder = FAMILIES[a.other]
+        ohits = [i for i in hits_of(full, a.other) if i < index]
+        if not ohits or ofam == family:
+            print(f"error: no {a.other}* launch of another timer family before launch {index}", file=sys.stderr)
+            return 2
+        ox = full.launches[ohits[-1]]
+        oblocks = min(TIMER_BLOCKS, int(np.prod([evaluate(g, {"rows": a.tokens}) for g in ox.grid])))
     for rep in range(a.reps + 3):
         check(cu.cuMemsetD8Async(dptr, 0, nbytes, ex.stream))
         check(cu.cuMemsetD8Async(cptr, 0, nbytes, ex.stream))
@@ -107,16 +135,19 @@ def main() -> int:
         dtoh(counts, cptr, ex.stream)
         if rep >= 3:
             tables.append(phase_table(host[family], nblocks, names))
+            if a.other:
+                t0 = host[family][:nblocks, 0].astype("int64")
+                others.append(phase_table(host[ofam], oblocks, onames, start=t0[t0 > 0].min()))
             shares.append(wait_share(counts[family], nblocks))
     bp.release()
     print(f"{ex.bundle.name}: decode {b} at context {a.context}, launch {index} {x.kernel} grid {tuple(grid)} "
           f"({nblocks} blocks timed); us after the first block's entry, medians of {a.reps} replays")
     print(f"  {'phase':20s} {'blocks':>6s} {'earliest':>9s} {'median':>9s} {'latest':>9s}")
-    for name in names:
-        rows = [r for t in tables for r in t if r[0] == name]
-        if rows:
-            med = lambda k: statistics.median(r[k] for r in rows)    # noqa: E731
-            print(f"  {name:20s} {int(med(1)):6d} {med(2):9.2f} {med(3):9.2f} {med(4):9.2f}")
+    if a.other:
+        print(f"  launch {ohits[-1]} {ox.kernel} (before it):")
+        print_phases(others, onames, oorder)
+        print(f"  launch {index} {x.kernel}:")
+    print_phases(tables, names, order)
     shares = [x for x in shares if x]
     if shares:
         med = lambda k: statistics.median(x[k] for x in shares)    # noqa: E731
