@@ -26,6 +26,12 @@ GR_RESIDENT = 2                                # the blocks an SM its registers 
                                                # prefetch, ran gate_up slower (BENCHMARKS.md, fourteenth session)
 GV_WARPS = 8                                   # the decode GEMVs' warps a block (templates/gemv.cu.j2 GV_WARPS)
 GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
+# gemv_ring3_*: three stages, registers for three blocks an SM; an ungated GEMV of more tiles than GR_BLOCKS blocks an
+# SM hold but no more than GR3_BLOCKS (the 8B shape's qkv: 384 tiles on 132 SMs) takes it, one tile a block, so no
+# block walks a second tile while the others have ended (on two blocks an SM, 120 of 264 blocks did: qkv's last
+# block ended ~3 us after its median one)
+GR3_STAGES, GR3_BLOCKS = 3, 3
+GR3_SMEM = GR3_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR_NB = (1, 2, 4)
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
@@ -312,9 +318,15 @@ class LinearLaunches:
 
     def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
         """The decode GEMV `kern` (gemv_X) of lin over `tiles` 16-row tiles: (kernel, grid, dynamic shared memory);
-        where ring_ok, gemv_ring_X on its persistent grid (GR_BLOCKS an SM at most)."""
-        if not self.ring_ok(lin, nb, gated=kern.startswith("gemv_gated_")):
+        where ring_ok, gemv_ring_X on its persistent grid (GR_BLOCKS an SM at most), or gemv_ring3_X on a grid of
+        one block a tile where that is no more than GR3_BLOCKS an SM (ungated only)."""
+        gated = kern.startswith("gemv_gated_")
+        if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
+        if not gated and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count:
+            kern = "gemv_ring3_" + kern[len("gemv_"):]
+            self.kernel_smem[kern] = GR3_SMEM
+            return kern, tiles, GR3_SMEM
         kern = "gemv_ring_" + kern[len("gemv_"):]
         self.kernel_smem[kern] = GR_SMEM
         return kern, min(tiles, GR_BLOCKS * self.sm_count), GR_SMEM

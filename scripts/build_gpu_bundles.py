@@ -28,7 +28,9 @@ GEMV_MAX_ROWS = {"qwen3-wide": 0}
 # llama: Hopper prefill expands each NVFP4 weight before its GEMM (--prefill-weights dequant); the others keep
 # the fp16 copies expanded at load (the default for models this small)
 VRAM_GIB = 4
-SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "examples/gemma3-hd256.json"}
+SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "examples/gemma3-hd256.json",
+             # the Qwen3-8B shape's layers (2 of them): its decode GEMVs' kernels (gemv_ring3_* for qkv)
+             "syn-qwen3-8b-2l": "tests/data/qwen3-8b-2layers.json"}
 TARGET = os.environ.get("IMP_GPU_TARGET", "sm_90a")
 
 

@@ -350,6 +350,27 @@ def test_decode_gemv_gated(ex, b):
     assert rel(activation(ex, buf(x, 1 + nw), bucket, n // 2, ofmt), ref) <= TOL_F32
 
 
+@pytest.fixture(scope="module")
+def ex8b():
+    """The Qwen3-8B shape's layers (2 of them, a 32k vocabulary): only its decode GEMVs are tested here (the other
+    kernels' shapes are covered by the bundles above, and its large prefill references cost minutes on the host)."""
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    e = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l")), use_graphs=False)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_decode_gemv_8b_shape(ex8b, b):
+    """The 8B shape's streamed decode GEMVs at 1, 2 and 4 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
+    an SM), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*, against float64 products."""
+    kernels = {x.kernel for x in ex8b.program.phase("decode", b).launches}
+    assert {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"} <= kernels
+    test_decode_gemv(ex8b, b)
+    test_decode_gemv_gated(ex8b, b)
+
+
 def test_decode_gemv_norm(ex):
     """Batch-1 GEMVs with RMSNorm fused into the prologue (qkv; gate_up with act(gate) * up): the float32
     residual row and the norm weight in, against rms_norm then the product, in float64."""

@@ -314,13 +314,14 @@ def test_synthetic_runs():
 
 
 @pytest.mark.parametrize("name,context", [("syn-qwen3-0.6b", 10), ("syn-qwen3-0.6b", 300), ("syn-qwen3-0.6b", 3000),
-                                          ("qwen3-wide", 10), ("qwen3-wide", 300)])
+                                          ("qwen3-wide", 10), ("qwen3-wide", 300), ("syn-qwen3-8b-2l", 300)])
 def test_decode_is_batch_invariant(name, context):
     """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
     lengths (the decode GEMV rows, attention splits cut by each sequence's own length, and the merge order do not
     depend on the batch): syn-qwen3-0.6b in batches up to its GEMV's rows (batches above run a GEMM whose fp16
     activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
-    run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64."""
+    run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64; the 8B shape's layers, whose
+    GEMVs at 1, 2 and 4 rows are the streamed ones (qkv on gemv_ring3_*)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor import StepRow
     from imp_runtime.executor_cuda import CudaExecutor

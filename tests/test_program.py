@@ -328,7 +328,9 @@ def test_streamed_gemv_where_whole_stages():
     """Hopper's decode GEMVs of up to 4 rows take the streamed kernel (templates/gemv.cu.j2 gemv_ring_*) where every
     warp's K range is whole ring stages: 32 k a chunk x 4 chunks a group x 2 groups a stage, over 8 warps (gate_up:
     4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
-    8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes."""
+    8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes; an ungated GEMV of
+    more tiles than two blocks an SM but no more than three (qkv: 384 tiles, 132 SMs) takes gemv_ring3_*, a block a
+    tile, three stages: 55,296 bytes."""
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -344,11 +346,11 @@ def test_streamed_gemv_where_whole_stages():
                 assert not any("ring" in x.kernel for x in layer0)
                 continue
             nb = f"nb{b}"
-            assert [x.kernel for x in layer0] == [f"gemv_ring_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
+            assert [x.kernel for x in layer0] == [f"gemv_ring3_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
                                                   f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
             # qkv 6144 rows = 384 tiles, o 256, gate_up 12288 outputs = 768, down 256; 132 SMs
-            assert [x.grid[0] for x in layer0] == [264, 256, 264, 256]
-            assert all(x.smem == 73728 for x in layer0)
+            assert [x.grid[0] for x in layer0] == [384, 256, 264, 256]
+            assert [x.smem for x in layer0] == [55296, 73728, 73728, 73728]
         if streamed:
             assert prog.kernel_smem["gemv_ring_nvfp4_nb1"] == 73728
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
