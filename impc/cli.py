@@ -58,6 +58,9 @@ def _add_compile(sub) -> None:
                    help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 512 rows on the persistent "
                         "ping-pong GEMM, more on the per-tile one; chosen per step by its rows) or tiles (the per-tile "
                         "one always)")
+    p.add_argument("--rope-in-attention", action="store_true",
+                   help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
+                        "itself, one launch a layer fewer (experimental: not yet measured on a GPU; default off)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -135,7 +138,7 @@ def cmd_compile(a) -> int:
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
-                          prefill_gemm=a.prefill_gemm)
+                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -47,11 +47,13 @@ class CompileOptions:
     gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
     prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
+    rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
 
     def program_options(self) -> ProgramOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
                               decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
-                              prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm)
+                              prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm,
+                              rope_in_attention=self.rope_in_attention)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

@@ -39,6 +39,8 @@ class ProgramOptions:
                                     # (per-sequence token counts on the device); off: the host samples such rows
     prefill_attention: str = "wgmma"  # Hopper prefill attention: warpgroup MMA (wgmma, head dims that are multiples of
                                       # 64) or mma.sync (mma; always used elsewhere)
+    rope_in_attention: bool = False   # decode phases: the attention computes q/k norm and RoPE of its rows and appends
+                                      # the new key and value itself (attn_decode_rope_*), no qkv_rope launch
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
                                       # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
                                       # per-tile one for every row count)
@@ -46,7 +48,8 @@ class ProgramOptions:
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
-                "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm}
+                "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
+                "rope_in_attention": self.rope_in_attention}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
@@ -72,7 +75,12 @@ def prefill_attention_wgmma(spec: ModelSpec, target: dict, options: ProgramOptio
 def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions) -> frozenset[str]:
     """Kernels no program of this shape, target and options launches, whatever formats the byte budget picks
     (emit leaves them out of the cubin; the program is validated against the cubin all the same)."""
-    return frozenset({"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else ())
+    out = {"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else set()
+    if not options.rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
+        out |= {"attn_decode_rope_f16"}
+        if attn_decode_geometry(spec, target)["smem3"]:
+            out.add("attn_decode_rope_f16_r3")
+    return frozenset(out)
 
 
 def attn_decode_geometry(spec: ModelSpec, target: dict) -> dict:
@@ -87,7 +95,8 @@ def attn_decode_geometry(spec: ModelSpec, target: dict) -> dict:
     stage = 2 * chunk * (head_dim + 8) * 2
     scores = kp * gqa_group * (chunk + 8) * 4
     ring3 = target["compute_capability"][0] == 9 and 4 * (3 * stage + scores + 1024) <= 228 * 1024
-    return {"chunk": chunk, "kp": kp, "smem2": 2 * stage + scores, "smem3": 3 * stage + scores if ring3 else None}
+    return {"chunk": chunk, "kp": kp, "smem2": 2 * stage + scores, "smem3": 3 * stage + scores if ring3 else None,
+            "q_smem": gqa_group * head_dim * 2}     # attn_decode_rope_*: the group's q after the dynamic smem above
 
 
 def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
@@ -125,6 +134,10 @@ class ProgramBuilder(LinearLaunches):
         self.kernel_smem = {self.fa_kernel: self.fa_smem, "attn_decode_f16": self.ad["smem2"]}
         if self.ad["smem3"]:
             self.kernel_smem["attn_decode_f16_r3"] = self.ad["smem3"]
+        if options.rope_in_attention:
+            self.kernel_smem["attn_decode_rope_f16"] = self.ad["smem2"] + self.ad["q_smem"]
+            if self.ad["smem3"]:
+                self.kernel_smem["attn_decode_rope_f16_r3"] = self.ad["smem3"] + self.ad["q_smem"]
         self.buffers: dict[str, Buffer] = {}
 
     # ------------------------------------------------------------------ arena
@@ -162,8 +175,18 @@ class ProgramBuilder(LinearLaunches):
         e.add(kern, (rows,), (256,), [ptr("tokens"), ptr("token_src"), ptr("sampled"), *emb.weight_args(), ptr("x")],
               reads, [("x", m * s.hidden * 4)])
 
-    def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool) -> None:
-        """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q."""
+    def rope_inputs(self, i: int) -> list:
+        """Layer i's arguments of qkv_rope_cache_f16 (and attn_decode_rope_*) after the qkv rows: bias, q and k norm
+        weights (null where the model has none), the layer's inverse frequencies, positions, KV slots."""
+        p = f"layers.{i}."
+        opt = lambda name: ptr(p + name) if p + name in self.formats else ptr(None)  # noqa: E731
+        return [opt("qkv_bias"), opt("q_norm"), opt("k_norm"), ptr(self.rope[self.spec.rope_for(i)]), ptr("positions"),
+                ptr("kv_slots")]
+
+    def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool,
+               rope_in_attention: bool = False) -> None:
+        """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q (rope_in_attention: from the
+        qkv rows, the q/k norm, RoPE and the KV append its own, without the qkv_rope launch)."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
             return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
@@ -175,13 +198,11 @@ class ProgramBuilder(LinearLaunches):
             else:
                 self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
                 self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
-            opt = lambda name: ptr(p + name) if p + name in self.formats else ptr(None)  # noqa: E731
-            rope = self.rope[s.rope_for(i)]
-            e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
-                  [ptr("qkv"), opt("qkv_bias"), opt("q_norm"), opt("k_norm"), ptr(rope), ptr("positions"),
-                   ptr("kv_slots"), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
-                  [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],
-                  [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)])
+            if not rope_in_attention:
+                e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
+                      [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
+                      [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],
+                      [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)])
             window = s.sliding_window if s.kind(i) == "sliding" else 0
             attention(e, i, window, fmt(o))
             if s.sandwich_norm:
@@ -233,10 +254,12 @@ class ProgramBuilder(LinearLaunches):
     def attn_splits(self, b: int) -> int:
         return max(1, min(ATTN_GRID_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
 
-    def attn_decode(self, e: _Emitter, i: int, window: int, ofmt: int, rows, splits: int, planes: bool) -> None:
+    def attn_decode(self, e: _Emitter, i: int, window: int, ofmt: int, rows, splits: int, planes: bool,
+                    rope: bool = False) -> None:
         """Decode attention of `rows` rows (one new token each: sequence seq_slot[r], seq_len[r] keys) from q rows
         0.. into attn rows 0..; one launch: the last block of each (sequence, kv head) merges its splits
-        (templates/attn_decode.cu.j2)."""
+        (templates/attn_decode.cu.j2). rope: from the qkv rows instead of q, the q/k norm, RoPE and the new key and
+        value's append done in the kernel (attn_decode_rope_*, in place of qkv_rope_cache_f16)."""
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
         part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
         counts = b * s.n_kv_heads * 4
@@ -244,13 +267,19 @@ class ProgramBuilder(LinearLaunches):
         # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
         ring3 = splits <= 2 and isinstance(rows, int) and self.ad["smem3"] is not None
         kernel, smem = ("attn_decode_f16_r3", self.ad["smem3"]) if ring3 else ("attn_decode_f16", self.ad["smem2"])
-        e.add(kernel, (rows, s.n_kv_heads, splits), (128,),
-              [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"),
-               ptr("partial"), ptr("attn_counts"), ptr("attn"), i32(window), i32(self.max_pages), i32(ofmt)],
-              [("q", b * s.q_dim * 2), ("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part),
-               ("attn_counts", counts)],
-              [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))],
-              smem=smem)
+        common = [ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"), ptr("partial"), ptr("attn_counts"), ptr("attn"),
+                  i32(window), i32(self.max_pages), i32(ofmt)]
+        reads = [("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part), ("attn_counts", counts)]
+        writes = [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))]
+        if rope:
+            kernel, smem = kernel.replace("attn_decode_", "attn_decode_rope_"), smem + self.ad["q_smem"]
+            args = [ptr("qkv"), *self.rope_inputs(i), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), *common]
+            reads += [("qkv", b * (s.q_dim + 2 * s.kv_dim) * 4), ("positions", b * 4), ("kv_slots", b * 4)]
+            writes += [(f"kv.{i}.k", b * s.kv_dim * 2), (f"kv.{i}.v", b * s.kv_dim * 2)]
+        else:
+            args = [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), *common]
+            reads += [("q", b * s.q_dim * 2)]
+        e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
     def sample(self, e: _Emitter, rows) -> None:
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
@@ -281,8 +310,10 @@ class ProgramBuilder(LinearLaunches):
         splits = self.attn_splits(b)
         self.embed(e, b)
 
+        rope = self.opt.rope_in_attention
+
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec)
+            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec, rope=rope)
             # the o projection after it without programmatic dependent launch where it runs the GEMV: with it, its
             # GEMV blocks (two an SM, up to half the register file each) sit waiting beside the attention's last,
             # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the
@@ -293,7 +324,7 @@ class ProgramBuilder(LinearLaunches):
             o_ring = b == 1 and dec and self.ring_ok(self.lin(f"layers.{i}.o"), nb)
             e.no_pdl_next = not o_ring and (dec or not self.wq)
 
-        self.layers(e, b, attention, dec, nb, split_k=True)
+        self.layers(e, b, attention, dec, nb, split_k=True, rope_in_attention=rope)
         self.head(e, b, dec, nb, split_k=True)
         self.sample(e, b)
         return Phase("decode", b, tuple(e.launches))

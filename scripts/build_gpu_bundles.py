@@ -19,7 +19,8 @@ import os  # noqa: E402
 
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
-        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-pen": "qwen3"}
+        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-pen": "qwen3",
+        "qwen3-rope": "qwen3", "qwen2-rope": "qwen2"}     # -rope: --rope-in-attention
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0}
@@ -50,7 +51,8 @@ def build(names: list[str]) -> None:
                                              quant_head=name.endswith("-qe"),
                                              prefill_weights="dequant" if name == "llama" else "auto",
                                              gemv_max_rows=GEMV_MAX_ROWS.get(name),
-                                             gpu_penalties=name.endswith("-pen")))
+                                             gpu_penalties=name.endswith("-pen"),
+                                             rope_in_attention=name.endswith("-rope")))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB,

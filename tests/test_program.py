@@ -370,3 +370,46 @@ def test_streamed_gemv_where_whole_stages():
         assert f["lm_head"] == "nvfp4"
         prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 2048, 64), ProgramOptions(), None)
         assert [x.kernel for x in prog.phase("decode", 1).launches if x.kernel.startswith("gemv_")][-1] == kern
+
+
+def test_rope_in_attention_program():
+    """--rope-in-attention: every decode bucket launches no qkv_rope_cache_f16; each layer's decode attention is
+    attn_decode_rope_* reading the qkv rows, the layer's bias / norm weights / inverse frequencies, positions and
+    KV slots, and writing the layer's K and V pools, with the group's q (4 heads x 128 x 2 bytes) on top of the
+    plain kernel's shared memory. Prefill phases keep qkv_rope_cache_f16 (their decode rows too). Off by default:
+    the plain kernels, and the rope kernels left out of the cubin."""
+    from impc.launches import ProgramOptions, attn_decode_geometry, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]
+    formats = default_formats(spec)
+    t = load_target("sm_90a")
+    plan = plan_memory(spec, formats, [t], None, 4096, 64)
+    ad = attn_decode_geometry(spec, t)
+    on = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=True), None)
+    off = build_program(spec, formats, t, plan, ProgramOptions(), None)
+    assert on.options["rope_in_attention"] and not off.options["rope_in_attention"]
+    for prog, fused in ((on, True), (off, False)):
+        for ph in prog.phases:
+            kernels = [x.kernel for x in ph.launches]
+            attn = [x for x in ph.launches if x.kernel.startswith("attn_decode")]
+            if ph.phase == "decode":
+                assert len(attn) == spec.n_layers
+                assert ("qkv_rope_cache_f16" in kernels) != fused
+                assert all(x.kernel.startswith("attn_decode_rope_f16") == fused for x in attn)
+                if fused:
+                    x = attn[3]
+                    # templates/attn_decode.cu.j2 AD_ROPE_PARAMS
+                    assert [a.get("ptr") for a in x.args[:10]] == [
+                        "qkv", None, "layers.3.q_norm", "layers.3.k_norm", "rope.0", "positions", "kv_slots", "kv.3.k",
+                        "kv.3.v", "block_tables"]
+                    assert {"qkv", "positions", "kv_slots"} <= {b for b, _ in x.reads}
+                    assert {"kv.3.k", "kv.3.v", "attn"} <= {b for b, _ in x.writes}
+                    assert x.smem == (ad["smem3"] if x.kernel.endswith("_r3") else ad["smem2"]) + 4 * 128 * 2
+            elif ph.phase == "prefill":
+                assert kernels.count("qkv_rope_cache_f16") == spec.n_layers
+                assert not any(k.startswith("attn_decode_rope") for k in kernels)
+    assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
+    assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"}
+    assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())

@@ -10,12 +10,13 @@ from imp_runtime.spec import ModelSpec, RopeScaling
 EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rmsnorm_residual", "rmsnorm_add",
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
             "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "attn_prefill_merge", "gemm_nvfp4_f16",
+            "attn_decode_rope_f16",                                 # --rope-in-attention
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
             "apply_penalties", "count_sampled"]                     # --gpu-penalties
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
-                 "gemm_wgp_f16", "gemm_wgp_bf16", "attn_decode_f16_r3",
+                 "gemm_wgp_f16", "gemm_wgp_bf16", "attn_decode_f16_r3", "attn_decode_rope_f16_r3",
                  *[f"gemm_wq{n}" for n in (16, 32, 64)],
                  *[f"gemv_ring_{g}nvfp4_nb{n}" for g in ("", "gated_") for n in (1, 2, 4)],
                  *[f"gemv_ring3_nvfp4_nb{n}" for n in (1, 2, 4)]]   # the streamed GEMV
@@ -79,7 +80,8 @@ def test_templates_compile(shape, target):
     from impc.launches import kernels_not_launched
     omit = kernels_not_launched(spec, t, ProgramOptions())
     assert not launched & omit
-    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set())
+    rope = {"attn_decode_rope_f16"} | ({"attn_decode_rope_f16_r3"} if target == "sm_90a" else set())
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
@@ -131,7 +133,7 @@ def test_prefill_attention_option():
         assert prog.options["prefill_attention"] == option
         from impc.launches import kernels_not_launched
         assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option)) == (
-            {"attn_prefill_f16"} if option == "wgmma" else set())
+            {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"}
 
 
 def test_gpu_penalties_program():
