@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""A/B of two bundles by `impc bench`, the way BENCHMARKS.md's sessions compare a change with its base: rounds that
+alternate the two bundles in one process's lifetime each (A, B, A, B, ...), so drift of the GPU (clocks, heat)
+falls on both; per measurement, the median of the rounds for each bundle and the change. The bench's own spread
+between rounds is printed with it: a change smaller than that is noise.
+
+Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [--rounds 3] [--batches 1,2,4] [--pp 128] [--runs 3]"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+
+LINE = re.compile(r"^\s*(decode\s+batch\s+\d+|prefill\s+pp\d+)\b.*?([\d.]+) tok/s")
+
+
+def parse_bench(text: str) -> dict[str, float]:
+    """tok/s by measurement ('decode batch 1', 'prefill pp512') from `impc bench` output."""
+    out = {}
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m:
+            out[" ".join(m.group(1).split())] = float(m.group(2))
+    return out
+
+
+def summarize(rounds: dict[str, list[dict[str, float]]]) -> list[tuple[str, float, float, float, float, float]]:
+    """Per measurement present in every round of both: (name, A median, B median, B/A - 1, A spread, B spread),
+    the spreads as (max - min) / median of the rounds."""
+    a, b = rounds["A"], rounds["B"]
+    names = [n for n in a[0] if all(n in r for r in a + b)] if a else []
+    rows = []
+    for n in names:
+        va, vb = [r[n] for r in a], [r[n] for r in b]
+        ma, mb = statistics.median(va), statistics.median(vb)
+        rows.append((n, ma, mb, mb / ma - 1, (max(va) - min(va)) / ma, (max(vb) - min(vb)) / mb))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--pp", default="128")
+    ap.add_argument("--runs", type=int, default=3)
+    x = ap.parse_args()
+    rounds: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    for r in range(x.rounds):
+        for tag, bundle in (("A", x.a), ("B", x.b)):
+            cmd = [sys.executable, "-m", "impc.cli", "bench", bundle, "--batches", x.batches, "--pp", x.pp,
+                   "--runs", str(x.runs)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                print(f"error: bench of {bundle} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            got = parse_bench(p.stdout)
+            rounds[tag].append(got)
+            print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
+    print(f"\nA = {x.a}\nB = {x.b}\n{x.rounds} alternating rounds, medians (tok/s):")
+    print(f"  {'measurement':18s} {'A':>10s} {'B':>10s} {'B vs A':>8s} {'A spread':>9s} {'B spread':>9s}")
+    for n, ma, mb, d, sa, sb in summarize(rounds):
+        print(f"  {n:18s} {ma:10.1f} {mb:10.1f} {100 * d:+7.1f}% {100 * sa:8.1f}% {100 * sb:8.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

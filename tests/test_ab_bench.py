@@ -1,0 +1,30 @@
+"""scripts/ab_bench.py: `impc bench` output parsed, and two bundles' alternating rounds summarised by hand-computed
+medians and spreads."""
+from __future__ import annotations
+
+import pytest
+
+BENCH = """qwen3-8b: synthetic
+  decode  batch   1  tg128       383.7 tok/s  (2.61 ms/step)
+  decode  batch   2  tg128       720.4 tok/s  (2.78 ms/step)
+  prefill pp512               36299 tok/s  (14.1 ms)
+  time to first token (128-token prompt)  6.6 ms
+  decode batch 1 weight bandwidth 1.98 TB/s = 47% of the measured copy bandwidth 4.22 TB/s
+"""
+
+
+def test_parse_bench():
+    from scripts.ab_bench import parse_bench
+    assert parse_bench(BENCH) == {"decode batch 1": 383.7, "decode batch 2": 720.4, "prefill pp512": 36299.0}
+
+
+def test_summarize_medians_and_spreads():
+    from scripts.ab_bench import summarize
+    a = [{"decode batch 1": v, "prefill pp512": 100.0} for v in (380.0, 390.0, 370.0)]
+    b = [{"decode batch 1": v} for v in (400.0, 396.0, 404.0)]
+    rows = summarize({"A": a, "B": b})
+    assert [r[0] for r in rows] == ["decode batch 1"]          # pp512 is not in B's rounds
+    name, ma, mb, d, sa, sb = rows[0]
+    assert (ma, mb) == (380.0, 400.0)
+    assert d == pytest.approx(400 / 380 - 1)
+    assert sa == pytest.approx(20 / 380) and sb == pytest.approx(8 / 400)
