@@ -83,8 +83,8 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
     env.filters["cfloat"] = cfloat
     from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS
     from impc.launches import attn_decode_geometry, fa_wg_geometry
-    from impc.launch_linear import (GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR, WG_STAGES,
-                                    WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
+    from impc.launch_linear import (GR3_BLOCKS, GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR,
+                                    WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES, "threads": WG_THREADS},
@@ -92,9 +92,10 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
            "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False},
            "ad": attn_decode_geometry(spec, target),
            "gr": {"stages": GR_STAGES, "ur": GR_UR, "resident": GR_RESIDENT, "smem": GR_SMEM,
-                  "stages3": GR3_STAGES, "smem3": GR3_SMEM},
+                  "stages3": GR3_STAGES, "resident3": GR3_BLOCKS, "smem3": GR3_SMEM},
            "omit": frozenset(omit),
-           # a developer build with phase timers in the decode GEMV and attention (scripts/kernel_phases.py)
+           # a developer build with phase timers in the streamed decode GEMVs, the decode attention, rmsnorm_residual
+           # and qkv_rope_cache_f16 (scripts/kernel_phases.py)
            "timers": os.environ.get("IMP_KERNEL_TIMERS") == "1"}
     parts = [env.get_template("prelude.cuh.j2").render(**ctx)]
     for path in template_files():
