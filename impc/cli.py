@@ -60,7 +60,8 @@ def _add_compile(sub) -> None:
                         "one always)")
     p.add_argument("--rope-in-attention", action="store_true",
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
-                        "itself, one launch a layer fewer (experimental: not yet measured on a GPU; default off)")
+                        "itself, one launch a layer fewer (experimental, default off: measured no faster than the separate "
+                        "rope kernel)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")

@@ -9,8 +9,8 @@ Marked kernels (TIMER_GEMV, TIMER_ATTN, TIMER_NORM, TIMER_ROPE in templates/prel
   gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view);
                     and the share of thread 0's loop spent waiting for its stages (memory) against computing
   attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in; the merging blocks:
-                    5 past the count, 6 m and l staged, 7 weights staged, 4 merged (outputs stored)
-  rmsnorm_residual  0 entry, 1 past pdl_wait, 4 exit
+                    5 past the count, 7 weights staged, 6 thread 0's outputs summed, 4 merged (outputs stored)
+  rmsnorm_residual  0 entry, 1 past pdl_wait, 2 thread 0's loads summed, 3 the block's sum reduced, 4 exit
   qkv_rope_cache_f16 0 entry, 1 past pdl_wait, 4 exit
 --with KIND prints the last launch of another marked kind before the timed one on the same time axis (e.g. the
 attention before an o projection: the time from its last block's end to the GEMV's pdl_wait is the boundary).
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # family: (timer slot, phase names by index, the order they are printed in)
 FAMILIES = {"gemv_ring": (0, ("entry", "past pdl_wait", "first stage landed", "last stage done", "exit"), (0, 1, 2, 3, 4)),
             "attn_decode": (1, ("entry", "past pdl_wait", "splits done", "counted in", "merged", "merge start",
-                                "m l staged", "weights staged"), (0, 1, 2, 3, 5, 6, 7, 4)),
-            "rmsnorm_residual": (2, ("entry", "past pdl_wait", "", "", "exit"), (0, 1, 4)),
+                                "outputs summed", "weights staged"), (0, 1, 2, 3, 5, 7, 6, 4)),
+            "rmsnorm_residual": (2, ("entry", "past pdl_wait", "loads summed", "sum reduced", "exit"), (0, 1, 2, 3, 4)),
             "qkv_rope": (3, ("entry", "past pdl_wait", "", "", "exit"), (0, 1, 4))}
 TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES = 4, 1024, 8     # templates/prelude.cuh.j2
 
