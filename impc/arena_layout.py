@@ -41,8 +41,8 @@ def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tupl
         "attn": ("u16", (R, s.q_dim), R * s.q_dim * 2),
         "gu": ("f32", (R, 2 * s.intermediate), R * 2 * s.intermediate * 4),
         "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
-        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 2),
-                    MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 2) * 4),
+        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 4),
+                    MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 4) * 4),
         "attn_counts": ("i32", (MB, s.n_kv_heads), MB * s.n_kv_heads * 4),    # decode attention's blocks done
         "sampled": ("i32", (MB,), MB * 4),
     }

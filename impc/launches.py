@@ -261,7 +261,7 @@ class ProgramBuilder(LinearLaunches):
         (templates/attn_decode.cu.j2). rope: from the qkv rows instead of q, the q/k norm, RoPE and the new key and
         value's append done in the kernel (attn_decode_rope_*, in place of qkv_rope_cache_f16)."""
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
-        part = b * s.n_heads * splits * (s.head_dim + 2) * 4       # partials of a context of `splits` splits
+        part = b * s.n_heads * splits * (s.head_dim + 4) * 4       # partials of a context of `splits` splits
         counts = b * s.n_kv_heads * 4
         # one or two blocks a (sequence, kv head), each walking half the context or more: the three-stage ring
         # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
