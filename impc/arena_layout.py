@@ -15,6 +15,12 @@ from imp_runtime.rope import inv_freq
 from imp_runtime.spec import ModelSpec
 
 ATTN_MAX_SPLITS = 64          # and at most this many splits of a sequence's keys (templates/attn_decode.cu.j2)
+
+
+def attn_partial_row(head_dim: int) -> int:
+    """Floats of one decode-attention split's partial result: m, l, two unused, then acc 16-byte aligned (the
+    merge reads it as float4; templates/attn_decode.cu.j2 AD_PROW)."""
+    return head_dim + 4
 WG_SMALL_CHUNK = 128     # Hopper: the prefill phase of one row tile (its attention splits the keys: fa_partial)
 FA_KV_SPLIT = 512        # that phase's attention: keys a block (templates/attn_prefill.cu.j2, split keys)
 MAX_SEGMENTS = 16        # sequences' chunks one call of the largest prefill phase takes (a tile table each step)
@@ -41,8 +47,8 @@ def scratch_sizes(spec: ModelSpec, rows: int, logit_rows: int) -> dict[str, tupl
         "attn": ("u16", (R, s.q_dim), R * s.q_dim * 2),
         "gu": ("f32", (R, 2 * s.intermediate), R * 2 * s.intermediate * 4),
         "logits": ("f32", (MB, s.vocab_size), MB * s.vocab_size * 4),
-        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, s.head_dim + 4),
-                    MB * s.n_heads * ATTN_MAX_SPLITS * (s.head_dim + 4) * 4),
+        "partial": ("f32", (MB, s.n_heads, ATTN_MAX_SPLITS, attn_partial_row(s.head_dim)),
+                    MB * s.n_heads * ATTN_MAX_SPLITS * attn_partial_row(s.head_dim) * 4),
         "attn_counts": ("i32", (MB, s.n_kv_heads), MB * s.n_kv_heads * 4),    # decode attention's blocks done
         "sampled": ("i32", (MB,), MB * 4),
     }

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
-                               max_tiles, rope_variants, rows_for, wgmma_weights)
+                               attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
 from impc.errors import CompileError
 from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div, wq_shape
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
@@ -261,7 +261,7 @@ class ProgramBuilder(LinearLaunches):
         (templates/attn_decode.cu.j2). rope: from the qkv rows instead of q, the q/k norm, RoPE and the new key and
         value's append done in the kernel (attn_decode_rope_*, in place of qkv_rope_cache_f16)."""
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
-        part = b * s.n_heads * splits * (s.head_dim + 4) * 4       # partials of a context of `splits` splits
+        part = b * s.n_heads * splits * attn_partial_row(s.head_dim) * 4     # partials of `splits` splits
         counts = b * s.n_kv_heads * 4
         # one or two blocks a (sequence, kv head), each walking half the context or more: the three-stage ring
         # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
