@@ -7,7 +7,9 @@ writes, and the achieved GB/s next to the device-to-device copy bandwidth measur
 Each time (with --back-to-back 1) includes the launch's own latency outside a graph (about 10 us on an H200: a batch-1 8B step
 sums to 7.6 ms here against 4.1 ms replayed as a graph), so small kernels read slower than they run;
 the big GEMVs, whose time is their bytes, read close to true. `ncu` gives exact kernel durations.
-Also the target of `ncu --clock-control none python scripts/profile_step.py ...` for hardware counters.
+Also the target of `ncu --clock-control none python scripts/profile_step.py ...` for hardware counters: profile a
+bundle planned with `impc compile ... --vram 40` (ncu's kernel replay saves and restores the memory a kernel writes;
+with a default plan the arena holds nearly all of the GPU's memory and ncu answers "Failed to profile").
 
 With --back-to-back --graph each row's launches replay as one CUDA graph: kernel time without the host's launch rate.
 
