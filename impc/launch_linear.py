@@ -33,6 +33,8 @@ GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR3_STAGES, GR3_BLOCKS = 3, 3
 GR3_SMEM = GR3_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR_NB = (1, 2, 4)
+SM_SMEM = 233472                               # Hopper: shared memory an SM (228 KB; 1 KB of it reserved a block)
+GR_STATIC_SMEM = 6144                          # gemv_ring*'s static shared memory (5 KB: the tiles' partial sums), rounded up
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
@@ -319,11 +321,27 @@ class LinearLaunches:
     def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
         """The decode GEMV `kern` (gemv_X) of lin over `tiles` 16-row tiles: (kernel, grid, dynamic shared memory);
         where ring_ok, gemv_ring_X on its persistent grid (GR_BLOCKS an SM at most), or gemv_ring3_X on a grid of
-        one block a tile where that is no more than GR3_BLOCKS an SM (ungated only)."""
+        one block a tile where that is no more than GR3_BLOCKS an SM (ungated only). At one row on the persistent
+        grid, gemv_ringx_X / gemv_ringx3_X (four / three stages) where the staged activation fits beside the ring:
+        a stage's activation read from shared memory instead of global loads queued behind the ring's copies
+        (8B shape, H200: gate_up 65 -> 72%, down 52 -> 60% of the copy bandwidth, b1 +4.5%; BENCHMARKS.md,
+        eighteenth session). qkv's one-tile-a-block ring3 stays without it (42% against 44%: at three blocks an
+        SM the staging's registers spill)."""
         gated = kern.startswith("gemv_gated_")
         if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
-        if not gated and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count:
+        ring3 = not gated and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
+        if nb == 1 and not ring3:
+            # one row on the persistent grid: each warp's K range of the activation staged in shared memory behind
+            # the ring (gemv_ringx_*), four stages deep or, where that leaves no room, three (gemv_ringx3_*)
+            xs = GV_WARPS * 2 * (lin.k // (GV_WARPS // 2 if gated else GV_WARPS) * 2 + 32)
+            per_block = SM_SMEM // GR_BLOCKS - 1024 - GR_STATIC_SMEM
+            for ring, stages_smem in (("ringx", GR_SMEM), ("ringx3", GR3_SMEM)):
+                if stages_smem + xs <= per_block and not (gated and ring == "ringx3"):
+                    kern = f"gemv_{ring}_{kern[len('gemv_'):]}"
+                    self.kernel_smem[kern] = max(self.kernel_smem.get(kern, 0), stages_smem + xs)
+                    return kern, min(tiles, GR_BLOCKS * self.sm_count), stages_smem + xs
+        if ring3:
             kern = "gemv_ring3_" + kern[len("gemv_"):]
             self.kernel_smem[kern] = GR3_SMEM
             return kern, tiles, GR3_SMEM

@@ -330,7 +330,7 @@ def test_streamed_gemv_where_whole_stages():
     4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
     8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes; an ungated GEMV of
     more tiles than two blocks an SM but no more than three (qkv: 384 tiles, 132 SMs) takes gemv_ring3_*, a block a
-    tile, three stages: 55,296 bytes."""
+    tile, three stages: 55,296 bytes. At one row the others stage the activation in shared memory (gemv_ringx_*)."""
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -346,13 +346,22 @@ def test_streamed_gemv_where_whole_stages():
                 assert not any("ring" in x.kernel for x in layer0)
                 continue
             nb = f"nb{b}"
-            assert [x.kernel for x in layer0] == [f"gemv_ring3_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
-                                                  f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
             # qkv 6144 rows = 384 tiles, o 256, gate_up 12288 outputs = 768, down 256; 132 SMs
             assert [x.grid[0] for x in layer0] == [384, 256, 264, 256]
+            if b == 1:
+                # one row: o, gate_up and down with each warp's K range of the two activation planes staged behind
+                # the ring, 8 warps x 2 planes x (2 bytes x K range + 32 bytes of padding): o 8 x 2 x 1056, gate_up
+                # (K range 4096 / 4) 8 x 2 x 2080, down (12288 / 8) 8 x 2 x 3104 beside a three-stage ring
+                assert [x.kernel for x in layer0] == ["gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1",
+                                                      "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1"]
+                assert [x.smem for x in layer0] == [55296, 73728 + 16896, 73728 + 33280, 55296 + 49664]
+                continue
+            assert [x.kernel for x in layer0] == [f"gemv_ring3_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
+                                                  f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
             assert [x.smem for x in layer0] == [55296, 73728, 73728, 73728]
         if streamed:
-            assert prog.kernel_smem["gemv_ring_nvfp4_nb1"] == 73728
+            assert prog.kernel_smem["gemv_ring_nvfp4_nb2"] == 73728
+            assert prog.kernel_smem["gemv_ringx_gated_nvfp4_nb1"] == 73728 + 33280
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
     from imp_runtime.spec import ModelSpec
     small = ModelSpec(family="llama", vocab_size=49152, hidden=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -363,7 +372,7 @@ def test_streamed_gemv_where_whole_stages():
     assert not any("ring" in x.kernel for ph in prog.phases for x in ph.launches)
     # Output rows not whole 16-row tiles (the stages copy without a clamp): an NVFP4 head of 49,153 rows on the
     # per-block GEMV, of 49,152 rows streamed
-    for vocab, kern in ((49152, "gemv_ring_nvfp4_nb1"), (49153, "gemv_nvfp4_nb1")):
+    for vocab, kern in ((49152, "gemv_ringx_nvfp4_nb1"), (49153, "gemv_nvfp4_nb1")):
         spec = ModelSpec(family="llama", vocab_size=vocab, hidden=4096, n_layers=2, n_heads=32, n_kv_heads=8,
                          head_dim=128, intermediate=12288, norm_eps=1e-5, rope_theta=1e5, max_position=2048)
         f = default_formats(spec)
