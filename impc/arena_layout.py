@@ -133,6 +133,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
             out += [(name + ".codes", "weight", "u8", (n, k // 2), n * k // 2, None),
                     (name + ".scales", "weight", "u8", (n, k // BLOCK), n * k // BLOCK, None),
                     (name + ".tscale", "weight", "f32", (1,), 4, None)]
+        elif fmt == "int8":            # runtime/int8.py: uploaded as stored, the kernels read the codes as int8
+            n, k = shape
+            out += [(name + ".codes", "weight", "u8", (n, k), n * k, None),
+                    (name + ".rscale", "weight", "f32", (n,), 4 * n, None)]
         else:
             out.append((name, "weight", "bf16" if fmt == "bf16" else "f32", shape,
                         math.prod(shape) * (2 if fmt == "bf16" else 4), None))

@@ -14,7 +14,7 @@ from impc.families import family_for
 from impc.launches import ProgramOptions, build_program, kernels_not_launched
 from impc.plan import describe, plan_memory
 from impc.progress import Progress
-from impc.quantize import bf16_values, measure_error, quantize_nvfp4, to_bf16_bits
+from impc.quantize import bf16_values, measure_error, quantize_int8_rows, quantize_nvfp4, to_bf16_bits
 from impc.targets import parse_targets
 from impc.write_bundle import check_output_dir, write_bundle
 from imp_runtime.spec import ModelSpec, is_linear
@@ -28,7 +28,8 @@ class CompileOptions:
     out: Path
     quant: str = "nvfp4"             # nvfp4 | bf16
     quant_embed: bool = False        # NVFP4 for the embedding table too
-    quant_head: bool = False         # NVFP4 for an untied output head too
+    quant_head: bool = False         # NVFP4 for an untied output head too (= head_format "nvfp4")
+    head_format: str = "bf16"        # an untied output head's format: bf16 | int8 | nvfp4 (quant_head: nvfp4)
     scale_search: bool = False       # per-block search for the E4M3 scale of least squared error
     calibrate: bool = True           # GPTQ on calibration activations (nvfp4 only); False: round to nearest
     calib: str | None = None         # calibration data file (default: impc/data/)
@@ -49,6 +50,14 @@ class CompileOptions:
     prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
     rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
 
+    def __post_init__(self):
+        # --quant-head is --head-format nvfp4: each implies the other (a contradiction, int8 with quant_head,
+        # is refused by tensor_formats)
+        if self.quant_head and self.head_format == "bf16":
+            self.head_format = "nvfp4"
+        if self.head_format == "nvfp4":
+            self.quant_head = True
+
     def program_options(self) -> ProgramOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
                               decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
@@ -61,22 +70,38 @@ def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
     and the head stay bf16 unless asked. The head by measurement (scripts/head_quality.py, SmolLM2's
     real head): NVFP4 it costs KL 0.032 alone even GPTQ'd (0.122 as a tied table rounded), against
     0.044 for the whole calibrated body; at the default budget's step bytes, the bf16 head with the
-    body's bf16 tensors gives KL 0.044, the NVFP4 head with more of the body in bf16 0.055."""
+    body's bf16 tensors gives KL 0.044, the NVFP4 head with more of the body in bf16 0.055. INT8 with a
+    scale a row (scripts/head_8bit_quality.py) costs KL 0.0014 alone for half the bf16 head's bytes; it is
+    never a GPTQ or byte-budget candidate, and applies with --quant bf16 too."""
     if opts.quant not in ("nvfp4", "bf16"):
         raise CompileError(f"--quant {opts.quant}: choose nvfp4 or bf16")
+    head = head_format(spec, opts)
     formats = {}
     for name in spec.tensor_shapes():
         if not is_linear(name):
             formats[name] = "f32"
+        elif name == "lm_head":
+            formats[name] = head if opts.quant == "nvfp4" or head == "int8" else "bf16"
         elif opts.quant == "bf16":
             formats[name] = "bf16"
         elif name == "embed":
             formats[name] = "nvfp4" if opts.quant_embed else "bf16"
-        elif name == "lm_head":
-            formats[name] = "nvfp4" if opts.quant_head else "bf16"
         else:
             formats[name] = "nvfp4"
     return formats
+
+
+def head_format(spec: ModelSpec, opts: CompileOptions) -> str:
+    """The untied head's format asked for (--head-format, --quant-head), checked against the model."""
+    fmt = opts.head_format
+    if fmt not in ("bf16", "int8", "nvfp4"):
+        raise CompileError(f"--head-format {fmt}: choose bf16, int8 or nvfp4")
+    if opts.quant_head and fmt != "nvfp4":
+        raise CompileError(f"--quant-head is --head-format nvfp4; it contradicts --head-format {fmt}")
+    if fmt == "int8" and spec.tie_embeddings:
+        raise CompileError("--head-format int8: this model's head is tied (the embedding table is the head), and "
+                           "the table is stored bf16 or NVFP4 only; use --quant-embed for NVFP4")
+    return fmt
 
 
 def describe_spec(spec: ModelSpec) -> str:
@@ -127,6 +152,11 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
             stored = {name + ".codes": q.codes, name + ".scales": q.scales, name + ".tscale": q.tscale}
             err = measure_error(w, q.dequantize())
             entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
+        elif fmt == "int8":
+            q = quantize_int8_rows(w)
+            stored = {name + ".codes": q.codes, name + ".rscale": q.rscale}
+            err = measure_error(w, q.dequantize())
+            entry.update(rel_rms=round(err.rel_rms, 6), max_abs=float(np.float32(err.max_abs)))
         elif fmt == "bf16":
             stored = {name: to_bf16_bits(w)}
             err = measure_error(w, bf16_values(w))
@@ -147,6 +177,9 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
     errs = [e["rel_rms"] for e in quant.values() if e["format"] == "nvfp4"]
     if errs:
         p.info(f"NVFP4 error ||W-Q||/||W||: mean {np.mean(errs):.4f}, max {np.max(errs):.4f} over {len(errs)} tensors")
+    for name, e in quant.items():
+        if e["format"] == "int8":
+            p.info(f"INT8 (a scale a row) error ||W-Q||/||W|| of {name}: {e['rel_rms']:.4f}")
     return Quantized(arrays, quant, formats, calibrated.record if calibrated else None)
 
 
@@ -229,6 +262,7 @@ def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str
                     "programs": {e.target: program_file(e.target) for e in emitted}},
         "build": {"imp_version": __version__, "source": source, "checkpoint_sha256": checkpoint_sha256,
                   "options": {"quant": opts.quant, "quant_embed": opts.quant_embed, "quant_head": opts.quant_head,
+                              "head_format": opts.head_format,
                               "scale_search": opts.scale_search, "calibrate": opts.calibrate,
                               "calib": Path(opts.calib).name if opts.calib else None, "budget": opts.budget, "targets": [e.target for e in emitted],
                               "vram_gib": opts.vram_gib, "max_context": opts.max_context,

@@ -87,12 +87,16 @@ class _Lin:
     def weight_args(self) -> list[dict]:
         if self.fmt == "nvfp4":
             return [ptr(self.name + ".codes"), ptr(self.name + ".scales"), ptr(self.name + ".tscale")]
+        if self.fmt == "int8":
+            return [ptr(self.name + ".codes"), ptr(self.name + ".rscale")]
         return [ptr(self.name)]
 
     def reads(self) -> list[tuple[str, int]]:
         if self.fmt == "nvfp4":
             return [(self.name + ".codes", self.n * self.k // 2), (self.name + ".scales", self.n * self.k // BLOCK),
                     (self.name + ".tscale", 4)]
+        if self.fmt == "int8":
+            return [(self.name + ".codes", self.n * self.k), (self.name + ".rscale", self.n * 4)]
         return [(self.name, self.n * self.k * 2)]
 
 
@@ -304,7 +308,7 @@ class LinearLaunches:
                 e.add("fill_f32", (min(1024, (m * lin.n + 255) // 256),), (256,),
                       [ptr(out), {"u64": m * lin.n}, {"f32": 0.0}], [], [(out, m * lin.n * 4)])
             mode = 2
-        kern = "gemm_nvfp4_f16" if lin.fmt == "nvfp4" else "gemm_bf16"
+        kern = {"nvfp4": "gemm_nvfp4_f16", "int8": "gemm_int8_f16"}.get(lin.fmt, "gemm_bf16")
         e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
                                                i32(lin.k), i32(mode)], reads, writes)
 

@@ -243,6 +243,10 @@ class ProgramBuilder(LinearLaunches):
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         head = self.lin("embed" if s.tie_embeddings else "lm_head")
+        if head.fmt == "int8" and isinstance(rows, int) and not dec and rows <= GEMV_NB[-1] and x_off == 0:
+            # a decode batch past the layers' GEMV rows: the INT8 head still on its GEMV (one pass over the codes;
+            # the mma.sync GEMM expands them through shared memory for every 64 rows it does not have)
+            dec, nb = True, next(x for x in GEMV_NB if x >= rows)
         self.rmsnorm(e, "x", "final_norm", "hb", rows, xfmt(head.fmt) if dec else gfmt(head.fmt), x_off)
         self.linear(e, "hb", head, "logits", rows, 0, dec, split_k, nb)
         if s.final_softcap:
@@ -444,6 +448,12 @@ class ProgramBuilder(LinearLaunches):
                 # rms of a uniform random E2M1 code is 2.93, of the scales ~0.72: keep outputs ~unit variance
                 e.add("fill_f32", (1,), (32,), [ptr(name + ".tscale"), {"u64": 1},
                                                 {"f32": 1.0 / (2.93 * 0.72 * math.sqrt(k))}], [], [(name + ".tscale", 4)])
+            elif fmt == "int8":
+                n, k = shape       # codes uniform over the bytes (rms 73.9); rows of rms 1/sqrt(k) as the bf16 head's
+                e.add("fill_random_bytes", grid, block, [ptr(name + ".codes"), {"u64": n * k}, {"u64": tseed},
+                                                         {"u32": 0xFF}, {"u32": 0}], [], [(name + ".codes", n * k)])
+                e.add("fill_f32", grid, block, [ptr(name + ".rscale"), {"u64": n}, {"f32": 1.0 / (73.9 * math.sqrt(k))}],
+                      [], [(name + ".rscale", n * 4)])
             elif fmt == "bf16":
                 amp = 1.0 if name == "embed" else math.sqrt(3.0 / shape[-1])
                 e.add("fill_random_bf16", grid, block, [ptr(name), {"u64": math.prod(shape)}, {"u64": tseed},

@@ -23,6 +23,9 @@ def tensor_bytes(shape: tuple[int, ...], fmt: str) -> int:
         n, k = shape
         kp = padded_k(k)
         return n * kp // 2 + n * kp // BLOCK + 4
+    if fmt == "int8":                  # int8 codes and a float32 scale a row (runtime/int8.py)
+        n, k = shape
+        return n * k + 4 * n
     return math.prod(shape) * (2 if fmt == "bf16" else 4)
 
 

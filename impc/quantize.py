@@ -1,4 +1,5 @@
-"""Stage 3: quantize linear weights to NVFP4 (runtime/nvfp4.py documents the stored form).
+"""Stage 3: quantize linear weights to NVFP4 (runtime/nvfp4.py documents the stored form), and an untied
+output head to INT8 with one scale a row when asked (runtime/int8.py; quantize_int8_rows below).
 
   s_t  = amax(|W|) / (6 * 448)                          tensor scale, float32
   s_b  = E4M3(amax(block) / (6 * s_t)), nearest-even    one per 16 elements along K
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from imp_runtime import int8
 from imp_runtime.nvfp4 import BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_VALUES, dequantize, padded_k
 
 # Positive finite E4M3 values in code order (codes 0..126 increase monotonically).
@@ -119,6 +121,36 @@ def _codes_for(blocks: np.ndarray, scales: np.ndarray, st: float, with_error: bo
         return q, None
     err = np.sum((E2M1_VALUES[q].astype(np.float64) * denom[:, :, None] - blocks) ** 2, axis=2)
     return q, err
+
+
+@dataclass
+class Int8Rows:
+    codes: np.ndarray   # int8 [N, K]
+    rscale: np.ndarray  # float32 [N]
+
+    def dequantize(self) -> np.ndarray:
+        return int8.dequantize(self.codes, self.rscale)
+
+
+def quantize_int8_rows(w: np.ndarray, rows_at_once: int = 4096) -> Int8Rows:
+    """W [N, K] -> INT8, symmetric, one scale a row: rscale[n] = float32(amax_n / 127) (the division in
+    float64), codes = clip(rint(W / rscale[n]), -127, 127) with the quotient in float64 of the float32
+    values and rint half to even; a row of zeros gets rscale 0 and codes 0. A few thousand rows at a time,
+    so an 8B model's head (128256 x 4096) never has a float64 copy whole."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    codes = np.empty((n, k), dtype=np.int8)
+    rscale = np.empty(n, dtype=np.float32)
+    for r0 in range(0, n, rows_at_once):
+        block = w[r0:r0 + rows_at_once].astype(np.float64)
+        amax = np.max(np.abs(block), axis=1) if k else np.zeros(len(block))
+        s = (amax / int8.INT8_MAX).astype(np.float32)
+        s64 = s.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(s64 > 0, np.rint(block / s64), 0.0)
+        codes[r0:r0 + rows_at_once] = np.clip(q, -int8.INT8_MAX, int8.INT8_MAX).astype(np.int8)
+        rscale[r0:r0 + rows_at_once] = s
+    return Int8Rows(codes, rscale)
 
 
 def measure_error(w: np.ndarray, deq: np.ndarray) -> QuantError:

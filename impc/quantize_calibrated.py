@@ -117,6 +117,10 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
         elif fmt == "nvfp4" and name == "embed":      # a lookup table, not a linear: rounded to nearest
             rounded[name] = quantize_nvfp4(w, opts.scale_search)
             stored[name] = rounded[name].dequantize()
+        elif fmt == "int8":
+            # an INT8 head is rounded with the bf16 tensors (impc/compile.py), neither GPTQ'd nor a budget candidate;
+            # calibration never reads it, the budget's reference model reads it as bf16, as it does the others
+            stored[name] = bf16_values(w)
         else:
             stored[name] = w
     # The budget's sensitivity of a tensor needs only that tensor's GPTQ result, so a layer's tensors are

@@ -18,14 +18,15 @@ GEMV_NB = (1, 2, 4, 8, 16)           # the decode GEMV's batch variants (gemv_*_
 
 
 def xfmt(fmt: str) -> int:
-    """The x-plane format a decode GEMV over weights stored as fmt (nvfp4 | bf16) reads."""
-    return XF_F16X2 if fmt == "nvfp4" else XF_BF16X2
+    """The x-plane format a decode GEMV over weights stored as fmt (nvfp4 | int8 | bf16) reads: fp16 planes
+    for NVFP4 and INT8 weights, bf16 planes for bf16 weights."""
+    return XF_F16X2 if fmt in ("nvfp4", "int8") else XF_BF16X2
 
 
 def gfmt(fmt: str) -> int:
-    """The activation format a GEMM over weights stored as fmt reads: fp16 (pre-scaled) for NVFP4
-    weights, bf16 for bf16 weights (bf16 -> fp16 is not exact for weights below 2^-14)."""
-    return XF_F16 if fmt == "nvfp4" else XF_BF16
+    """The activation format a GEMM over weights stored as fmt reads: fp16 (pre-scaled) for NVFP4 and
+    INT8 weights, bf16 for bf16 weights (bf16 -> fp16 is not exact for weights below 2^-14)."""
+    return XF_F16 if fmt in ("nvfp4", "int8") else XF_BF16
 
 
 def _xf_pos(k: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from imp_runtime import int8
 from imp_runtime.nvfp4 import dequantize
 from imp_runtime.spec import ModelSpec
 
@@ -96,7 +97,7 @@ class Bundle:
         return load_file(self.file(WEIGHTS))
 
     def float_weights(self) -> dict[str, np.ndarray]:
-        """Every canonical tensor as exact float32 values (NVFP4 and bf16 de-quantized)."""
+        """Every canonical tensor as exact float32 values (NVFP4, INT8 and bf16 de-quantized)."""
         raw = self.raw_weights()
         out: dict[str, np.ndarray] = {}
         for name, info in self.tensors.items():
@@ -104,6 +105,8 @@ class Bundle:
             if fmt == "nvfp4":
                 out[name] = dequantize(raw[name + ".codes"], raw[name + ".scales"], raw[name + ".tscale"],
                                        info["shape"][1])
+            elif fmt == "int8":
+                out[name] = int8.dequantize(raw[name + ".codes"], raw[name + ".rscale"]).reshape(info["shape"])
             elif fmt == "bf16":
                 out[name] = bf16_to_f32(raw[name]).reshape(info["shape"])
             else:

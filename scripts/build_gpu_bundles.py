@@ -19,8 +19,10 @@ import os  # noqa: E402
 
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
+        "llama-i8": "llama",
         "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-pen": "qwen3",
         "qwen3-rope": "qwen3", "qwen2-rope": "qwen2"}     # -rope: --rope-in-attention
+# llama-i8: the output head INT8 with a scale a row (--head-format int8)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0}
@@ -49,6 +51,7 @@ def build(names: list[str]) -> None:
                                              vram_gib=VRAM_GIB, calibrate=name.endswith("-mixed"),
                                              quant_embed=name.endswith("-qe"),
                                              quant_head=name.endswith("-qe"),
+                                             head_format="int8" if name.endswith("-i8") else "bf16",
                                              prefill_weights="dequant" if name == "llama" else "auto",
                                              gemv_max_rows=GEMV_MAX_ROWS.get(name),
                                              gpu_penalties=name.endswith("-pen"),

@@ -22,7 +22,7 @@ except ImportError:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs an NVIDIA GPU")]
 
-BUNDLES = ["llama", "llama-qe", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide", "qwen3-pen"]
+BUNDLES = ["llama", "llama-qe", "llama-i8", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide", "qwen3-pen"]
 TOL, TOL_F32 = 1e-2, 1e-4
 
 
@@ -123,10 +123,15 @@ def random_weights(ex, x, w_args: list[int], n: int, k: int, rng, tiny_rows: int
 
 
 def put_random_weights(ex, names: list[str], n: int, k: int, rng, tiny_rows: int = 0) -> np.ndarray:
-    """random_weights over named buffers (NVFP4 codes, scales, tscale; or one bf16 buffer)."""
-    from impc.quantize import quantize_nvfp4
+    """random_weights over named buffers (NVFP4 codes, scales, tscale; INT8 codes, rscale; or one bf16 buffer)."""
+    from impc.quantize import quantize_int8_rows, quantize_nvfp4
     w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
     w[:tiny_rows] *= 1e-4
+    if len(names) == 2:
+        q = quantize_int8_rows(w)
+        put(ex, names[0], q.codes)
+        put(ex, names[1], q.rscale)
+        return q.dequantize()
     if len(names) == 3:
         q = quantize_nvfp4(w)
         for name, arr in zip(names, (q.codes, q.scales, q.tscale)):
@@ -160,8 +165,8 @@ def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: d
         return check_wgmma(ex, phase, tokens, index, x, m, rng, env)
     if x.kernel.startswith("gemm_wq"):
         return check_wq(ex, phase, tokens, index, x, m, rng, env)
-    fmt = "nvfp4" if "nvfp4" in x.kernel else "bf16"
-    nw = 3 if fmt == "nvfp4" else 1
+    fmt = next((f for f in ("nvfp4", "int8") if f in x.kernel), "bf16")
+    nw = {"nvfp4": 3, "int8": 2}.get(fmt, 1)
     a_name, out = buf(x, 0), buf(x, 1 + nw)
     if x.kernel.startswith("gemv"):
         n, k, mode = scalar(x, 2 + nw), scalar(x, 3 + nw), scalar(x, 5 + nw)
@@ -266,7 +271,7 @@ def test_decode_gemv(ex, b):
     rng = np.random.default_rng(30 + b)
     seen = set()
     for i, x in enumerate(ex.program.phase("decode", b).launches):
-        nw = 3 if "nvfp4" in x.kernel else 1
+        nw = 3 if "nvfp4" in x.kernel else 2 if "int8" in x.kernel else 1
         if x.kernel.startswith("gemv_") and "gated" not in x.kernel and "_norm_" not in x.kernel \
                 and (x.kernel, scalar(x, 5 + nw)) not in seen:
             seen.add((x.kernel, scalar(x, 5 + nw)))

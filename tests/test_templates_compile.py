@@ -13,7 +13,8 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
             "attn_decode_rope_f16",                                 # --rope-in-attention
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
-            "apply_penalties", "count_sampled"]                     # --gpu-penalties
+            "apply_penalties", "count_sampled",                     # --gpu-penalties
+            *[f"gemv_int8_nb{n}" for n in (1, 2, 4, 8, 16)], "gemm_int8_f16"]   # --head-format int8
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
                  "gemm_wgp_f16", "gemm_wgp_bf16", "attn_decode_f16_r3", "attn_decode_rope_f16_r3",
