@@ -329,8 +329,9 @@ class LinearLaunches:
         grid, gemv_ringx_X / gemv_ringx3_X (four / three stages) where the staged activation fits beside the ring:
         a stage's activation read from shared memory instead of global loads queued behind the ring's copies
         (8B shape, H200: gate_up 65 -> 72%, down 52 -> 60% of the copy bandwidth, b1 +4.5%; BENCHMARKS.md,
-        eighteenth session). qkv's one-tile-a-block ring3 stays without it (42% against 44% with the first, register
-        staging, which spilled at three blocks an SM; the cp.async staging there is not measured yet)."""
+        eighteenth session). qkv's one-tile-a-block ring3 stays without it (42% against 44%: at three blocks an SM
+        the staging's registers spill; a cp.async staging, no registers, cost gate_up 4 points, its group wait
+        also waiting for the weight stages issued before pdl_wait)."""
         gated = kern.startswith("gemv_gated_")
         if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
