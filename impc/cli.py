@@ -21,11 +21,12 @@ def _add_compile(sub) -> None:
                    help="store an untied output head in NVFP4 too, a byte-budget candidate (default bf16: NVFP4 "
                         "costs KL 0.03 alone on SmolLM2's head, for 17%% fewer bytes a step on an 8B model; "
                         "at the step bytes of --budget 1 it is the closer to bf16); the same as --head-format nvfp4")
-    p.add_argument("--head-format", default=None, choices=["bf16", "int8", "nvfp4"],
-                   help="an untied output head's format (default bf16): int8 (a scale a row) costs KL 0.0014, "
-                        "top-1 97.4%% on SmolLM2's head alone (scripts/head_8bit_quality.py) and saves half the "
-                        "head's bytes, with --quant bf16 too; nvfp4 is --quant-head. A tied head is the embedding "
-                        "table: --quant-embed")
+    p.add_argument("--head-format", default=None, choices=["auto", "bf16", "int8", "nvfp4"],
+                   help="an untied output head's format (default auto: int8 for an NVFP4 model, else bf16): int8 "
+                        "(a scale a row) costs KL 0.0017 on SmolLM2's head alone and reads half the head's bytes; "
+                        "the byte budget counts it as bf16, so at the same step bytes the bundle's KL is 0.030 "
+                        "against 0.044 with a bf16 head (scripts/head_int8_whole.py); nvfp4 is --quant-head. A "
+                        "tied head is the embedding table: --quant-embed")
     p.add_argument("--scale-search", action="store_true",
                    help="search each block's E4M3 scale for the least squared error (default: amax / 6)")
     p.add_argument("--no-calib", dest="calibrate", action="store_false",
@@ -137,11 +138,11 @@ def cmd_compile(a) -> int:
     if (a.model is None) == (a.synthetic is None):
         from impc.errors import CompileError
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
-    if a.quant_head and a.head_format not in (None, "nvfp4"):
+    if a.quant_head and a.head_format not in (None, "auto", "nvfp4"):
         from impc.errors import CompileError
         raise CompileError(f"--quant-head is --head-format nvfp4; it contradicts --head-format {a.head_format}")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
-                          quant_head=a.quant_head, head_format=a.head_format or "bf16", scale_search=a.scale_search,
+                          quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, name=a.name,
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,

@@ -51,7 +51,8 @@ def build(names: list[str]) -> None:
                                              vram_gib=VRAM_GIB, calibrate=name.endswith("-mixed"),
                                              quant_embed=name.endswith("-qe"),
                                              quant_head=name.endswith("-qe"),
-                                             head_format="int8" if name.endswith("-i8") else "bf16",
+                                             head_format="int8" if name.endswith("-i8")
+                                             else "nvfp4" if name.endswith("-qe") else "bf16",
                                              prefill_weights="dequant" if name == "llama" else "auto",
                                              gemv_max_rows=GEMV_MAX_ROWS.get(name),
                                              gpu_penalties=name.endswith("-pen"),

@@ -52,7 +52,8 @@ class Variant:
     def options(self, model: str, out: Path, tied: bool, budget: str | None = None) -> CompileOptions:
         return CompileOptions(model=model, out=out, quant=self.quant, targets="none", max_context=2048,
                               budget=budget or self.budget, quant_embed=self.nvfp4_head and tied,
-                              quant_head=self.nvfp4_head and not tied)
+                              quant_head=self.nvfp4_head and not tied,
+                              head_format="auto" if tied else "nvfp4" if self.nvfp4_head else "bf16")
 
 
 REFERENCE = Variant("bf16 (reference)", quant="bf16")

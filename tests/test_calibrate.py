@@ -243,7 +243,9 @@ def test_budget_is_never_exceeded(sens, factor):
     cands = candidates(formats)
     choice = choose_formats(spec, formats, Budget(factor=factor), dict(zip(cands, sens)))
     assert choice.weights_bytes == weights_bytes(spec, choice.formats) <= choice.budget_bytes
-    assert choice.budget_bytes == int(factor * weights_bytes(spec, formats))
+    # the factor applies to the weights with the head counted bf16 (the INT8 head's saved bytes go to the body)
+    assert formats["lm_head"] == "int8"
+    assert choice.budget_bytes == int(factor * weights_bytes(spec, {**formats, "lm_head": "bf16"}))
     assert set(choice.widened) == {t for t, f in choice.formats.items() if f != formats[t]}
     # nothing left out fits in what remains while being worth more per byte than something taken
     shapes = spec.tensor_shapes()
@@ -256,7 +258,7 @@ def test_budget_is_never_exceeded(sens, factor):
 
 def test_budget_picks_the_most_sensitive_per_byte_by_hand():
     spec = tiny_spec()
-    formats = tensor_formats(spec, CompileOptions(model="x", out=Path("x")))
+    formats = tensor_formats(spec, CompileOptions(model="x", out=Path("x"), head_format="bf16"))
     base = weights_bytes(spec, formats)
     # tiny llama: qkv [128, 64] costs 128*64*2 - (128*32 + 128*4 + 4) = 11772 bytes more in bf16,
     # down [64, 160] 64*160*2 - (64*80 + 64*10 + 4) = 14716
@@ -268,6 +270,11 @@ def test_budget_picks_the_most_sensitive_per_byte_by_hand():
     choice = choose_formats(spec, formats, Budget(gib=(base + 11771) / 2**30), sens)
     assert choice.widened == []                                      # one byte short of anything
     assert choose_formats(spec, formats, Budget(factor=1.0), sens).widened == []
+    # the default INT8 head [384, 64] is budgeted as bf16: 384*64*2 - (384*64 + 4*384) = 23040 bytes it saves go to
+    # the body at factor 1.0: qkv (11772) fits, then down (14716) no longer does
+    formats = tensor_formats(spec, CompileOptions(model="x", out=Path("x")))
+    assert formats["lm_head"] == "int8"
+    assert choose_formats(spec, formats, Budget(factor=1.0), sens).widened == ["layers.0.qkv"]
 
 
 @pytest.mark.parametrize("text, want", [("1.3", Budget(factor=1.3)), ("2x", Budget(factor=2.0)),
@@ -301,7 +308,10 @@ def test_budget_bundle_stores_its_choice_within_the_budget(budget_bundle, checkp
     stored = sum(a.nbytes for a in load_file(budget_bundle / "weights.safetensors").values())
     # the bytes actually stored are what the plan counted, and within 1.15x the all-NVFP4 bytes
     assert stored == m["plan"]["weights_bytes"] == rec["weights_bytes"] <= rec["budget_bytes"]
-    assert rec["budget_bytes"] == int(1.15 * rec["base_bytes"])
+    # 1.15x the all-NVFP4 bytes with the head counted bf16 (the INT8 head's saved bytes go to the body)
+    n, k = m["quantization"]["tensors"]["lm_head"]["shape"]
+    assert m["quantization"]["tensors"]["lm_head"]["format"] == "int8"
+    assert rec["budget_bytes"] == int(1.15 * (rec["base_bytes"] + 2 * n * k - (n * k + 4 * n)))
     # a widened tensor holds the checkpoint's values rounded to bf16 (torch's rounding)
     import torch
     from safetensors.torch import load_file as load_torch

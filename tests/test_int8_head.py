@@ -212,7 +212,7 @@ def test_nvfp4_body_leaves_the_int8_head_alone(llama_pair, tmp_path):
 def test_options_agree():
     assert CompileOptions(model="m", out="o", quant_head=True).head_format == "nvfp4"
     assert CompileOptions(model="m", out="o", head_format="nvfp4").quant_head is True
-    assert CompileOptions(model="m", out="o").head_format == "bf16"
+    assert CompileOptions(model="m", out="o").head_format == "auto"
 
 
 def test_refusals(checkpoints, tmp_path, capsys):
