@@ -234,3 +234,50 @@ def test_refusals(checkpoints, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--quant-head" in err and "contradicts" in err
     assert not any((tmp_path / d).exists() for d in "abcd")
+
+
+def test_gemv_int8_expansion_matches_the_plane_order():
+    """templates/gemv.cu.j2 int8x8_to_f16x8, emulated bit for bit from the template's own constants: every code
+    -128..127 comes out exact in fp16 (its byte with the sign flipped under 0x64, plus the HADD2 constant), and the
+    four outputs of 8 codes pair them in the XF_F16X2 planes' k order (runtime/activation_formats.py _xf_pos), which
+    is what lets the GEMV feed them to the MMA against the activation words unpermuted."""
+    import re
+    from pathlib import Path
+    from imp_runtime.activation_formats import _xf_pos
+    src = (Path(__file__).resolve().parent.parent / "templates" / "gemv.cu.j2").read_text()
+    body = src[src.index("void int8x8_to_f16x8"):]
+    body = body[:body.index("\n}\n")]
+    flip = int(re.search(r"xa = a \^ (0x[0-9A-Fa-f]+)u", body).group(1), 16)
+    under = int(re.search(r"h = (0x[0-9A-Fa-f]+)u", body).group(1), 16)
+    add = int(re.search(r"m = (0x[0-9A-Fa-f]+)u", body).group(1), 16)
+    outs = re.findall(r"o\[(\d)\] = hadd2_u32\(__byte_perm\((x[ab]), h, (0x[0-9A-Fa-f]+)\), m\)", body)
+    assert len(outs) == 4
+
+    def byte_perm(x: int, y: int, sel: int) -> int:     # PTX prmt (default mode): byte i from selector nibble i
+        pool = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+        return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    def half_add(bits: int, c: int) -> float:           # one lane of HADD2: fp16 + fp16, rounded to fp16
+        return float(np.float16(np.array([bits], np.uint16).view(np.float16)[0] + np.array([c], np.uint16).view(np.float16)[0]))
+
+    rng = np.random.default_rng(5)
+    for _ in range(64):
+        codes = rng.integers(-128, 128, 8)
+        raw = (codes.astype(np.int64) & 0xFF)
+        a = int(sum(int(raw[i]) << (8 * i) for i in range(4)))
+        b = int(sum(int(raw[4 + i]) << (8 * i) for i in range(4)))
+        regs = {"xa": a ^ flip, "xb": b ^ flip}
+        order = []
+        for idx, src_reg, sel in sorted(outs):
+            w = byte_perm(regs[src_reg], under, int(sel, 16))
+            lo, hi = half_add(w & 0xFFFF, add & 0xFFFF), half_add(w >> 16, add >> 16)
+            order += [lo, hi]
+        # the k each output half holds: the plane position p holds k = inverse of _xf_pos within 8
+        pos = _xf_pos(8)
+        k_at = np.empty(8, int)
+        k_at[pos] = np.arange(8)
+        assert order == [float(codes[k]) for k in k_at], (codes, order)
+    # every code is exact
+    for v in range(-128, 128):
+        w = byte_perm((v & 0xFF) ^ (flip & 0xFF), under, 0x4440)
+        assert half_add(w & 0xFFFF, add & 0xFFFF) == float(v)
