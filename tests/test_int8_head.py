@@ -244,13 +244,16 @@ def test_gemv_int8_expansion_matches_the_plane_order():
     import re
     from pathlib import Path
     from imp_runtime.activation_formats import _xf_pos
-    src = (Path(__file__).resolve().parent.parent / "templates" / "gemv.cu.j2").read_text()
+    templates = Path(__file__).resolve().parent.parent / "templates"
+    src = (templates / "gemv.cu.j2").read_text()
     body = src[src.index("void int8x8_to_f16x8"):]
     body = body[:body.index("\n}\n")]
-    flip = int(re.search(r"xa = a \^ (0x[0-9A-Fa-f]+)u", body).group(1), 16)
-    under = int(re.search(r"h = (0x[0-9A-Fa-f]+)u", body).group(1), 16)
-    add = int(re.search(r"m = (0x[0-9A-Fa-f]+)u", body).group(1), 16)
-    outs = re.findall(r"o\[(\d)\] = hadd2_u32\(__byte_perm\((x[ab]), h, (0x[0-9A-Fa-f]+)\), m\)", body)
+    prelude = (templates / "prelude.cuh.j2").read_text()       # the pair conversion both INT8 kernels call
+    assert re.search(r"xa = a \^ I8_FLIP, xb = b \^ I8_FLIP", body)
+    flip = int(re.search(r"I8_FLIP = (0x[0-9A-Fa-f]+)u", prelude).group(1), 16)
+    pair = re.search(r"hadd2_u32\(__byte_perm\(flipped, (0x[0-9A-Fa-f]+)u, sel\), (0x[0-9A-Fa-f]+)u\)", prelude)
+    under, add = int(pair.group(1), 16), int(pair.group(2), 16)
+    outs = re.findall(r"o\[(\d)\] = i8x2_to_f16x2\((x[ab]), (0x[0-9A-Fa-f]+)\)", body)
     assert len(outs) == 4
 
     def byte_perm(x: int, y: int, sel: int) -> int:     # PTX prmt (default mode): byte i from selector nibble i
