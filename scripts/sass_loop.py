@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Count a kernel's inner-loop SASS without a GPU, and tell which functions of two cubins differ.
+
+Kernel work here is measured on a lent GPU with little device time; what can be known before a device call should be.
+Two questions come up at every kernel change (BENCHMARKS.md, thirteenth to nineteenth sessions):
+- how many instructions, and which, does one iteration of the hot loop issue? (`loop`: the innermost loop whose
+  back branch encloses every instruction of an opcode, HMMA for the mma.sync GEMVs, HGMMA for the wgmma GEMMs;
+  static counts: one per instruction of the loop body, so a stage's work when the loop runs a stage an iteration)
+- does a refactoring change any kernel's code? (`diff`: the functions whose SASS differs once addresses and
+  encodings are stripped; a change that leaves every function identical needs no new device run)
+
+Needs `cuobjdump` (CUDA's binary utilities; on PATH, or from `pip install nvidia-cuda-cuobjdump`).
+
+Usage: python scripts/sass_loop.py loop CUBIN KERNEL [--op HMMA]
+       python scripts/sass_loop.py diff CUBIN_A CUBIN_B"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+FUNC = re.compile(r"^\s*Function : (\S+)")
+TARGET = re.compile(r"\b0x([0-9a-f]+)\b")
+
+
+def cuobjdump() -> str:
+    """The cuobjdump binary: on PATH, or the one the nvidia-cuda-cuobjdump wheel installs."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            for cand in sorted(Path(base).glob("cu*/bin/cuobjdump")):
+                return str(cand)
+    except ImportError:
+        pass
+    sys.exit("sass_loop: cuobjdump not found (put it on PATH or `pip install nvidia-cuda-cuobjdump`)")
+
+
+def sass(cubin: str, kernel: str | None = None) -> str:
+    cmd = [cuobjdump(), "-sass", cubin] + (["-fun", kernel] if kernel else [])
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"sass_loop: {' '.join(cmd)} failed: {run.stderr.strip()}")
+    return run.stdout
+
+
+def instructions(text: str) -> list[tuple[int, str]]:
+    """(address, instruction text without its encoding) for each SASS line of one function."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(INSTR.match, text.splitlines()) if m]
+
+
+def opcode(instr: str) -> str:
+    """The opcode without its modifiers or predicate: '@!P0 LDS.128 R4, [R2]' -> 'LDS'."""
+    words = instr.split()
+    op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+    return op.split(".")[0]
+
+
+def inner_loop(ins: list[tuple[int, str]], op: str) -> list[tuple[int, str]]:
+    """The shortest span [branch target, backward branch] that encloses every instruction of opcode `op`."""
+    at = [i for i, (_, t) in enumerate(ins) if opcode(t) == op]
+    if not at:
+        raise ValueError(f"no {op} instruction")
+    first, last = ins[at[0]][0], ins[at[-1]][0]
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    best = None
+    for j, (a, t) in enumerate(ins):
+        m = TARGET.search(t) if opcode(t) == "BRA" else None
+        if m and a >= last:
+            tgt = int(m.group(1), 16)
+            if tgt <= first and tgt in index and (best is None or j - index[tgt] < best[1] - best[0]):
+                best = (index[tgt], j)
+    if best is None:
+        raise ValueError(f"no backward branch encloses the {op} instructions")
+    return ins[best[0]:best[1] + 1]
+
+
+def functions(text: str) -> dict[str, str]:
+    """A digest of each function's SASS with addresses and encodings stripped."""
+    out, cur, body = {}, None, []
+    for line in text.splitlines():
+        m = FUNC.match(line)
+        if m:
+            if cur:
+                out[cur] = hashlib.sha256("\n".join(body).encode()).hexdigest()
+            cur, body = m.group(1), []
+        elif cur:
+            i = INSTR.match(line)
+            if i:
+                body.append(i.group(2))
+    if cur:
+        out[cur] = hashlib.sha256("\n".join(body).encode()).hexdigest()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    lp = sub.add_parser("loop", help="the opcode counts of a kernel's inner loop")
+    lp.add_argument("cubin")
+    lp.add_argument("kernel")
+    lp.add_argument("--op", default="HMMA", help="an opcode the loop must enclose (HMMA, HGMMA, ...)")
+    dp = sub.add_parser("diff", help="the functions whose SASS differs between two cubins")
+    dp.add_argument("a")
+    dp.add_argument("b")
+    a = ap.parse_args()
+    if a.cmd == "loop":
+        try:
+            body = inner_loop(instructions(sass(a.cubin, a.kernel)), a.op)
+        except ValueError as e:
+            sys.exit(f"sass_loop: {a.kernel}: {e}")
+        counts = collections.Counter(opcode(t) for _, t in body)
+        print(f"{a.kernel}: inner loop of {len(body)} instructions, {counts[a.op]} {a.op}")
+        for op, n in counts.most_common():
+            print(f"  {op:10s} {n:5d}")
+        return 0
+    fa, fb = functions(sass(a.a)), functions(sass(a.b))
+    differ = sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k])
+    only = sorted(fa.keys() ^ fb.keys())
+    print(f"{len(fa.keys() & fb.keys())} functions in both, {len(differ)} differ, {len(only)} in one only")
+    for k in differ:
+        print(f"  differs: {k}")
+    for k in only:
+        print(f"  only in {'A' if k in fa else 'B'}: {k}")
+    return 1 if differ or only else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
