@@ -138,9 +138,6 @@ def cmd_compile(a) -> int:
     if (a.model is None) == (a.synthetic is None):
         from impc.errors import CompileError
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
-    if a.quant_head and a.head_format not in (None, "auto", "nvfp4"):
-        from impc.errors import CompileError
-        raise CompileError(f"--quant-head is --head-format nvfp4; it contradicts --head-format {a.head_format}")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,

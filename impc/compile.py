@@ -51,8 +51,10 @@ class CompileOptions:
     rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
 
     def __post_init__(self):
-        # --quant-head is --head-format nvfp4: each implies the other (a contradiction, int8 with quant_head,
-        # is refused by tensor_formats)
+        # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused
+        # here, when the options are made (before a checkpoint is read)
+        if self.quant_head and self.head_format not in ("auto", "nvfp4"):
+            raise CompileError(f"--quant-head is --head-format nvfp4; it contradicts --head-format {self.head_format}")
         if self.quant_head and self.head_format == "auto":
             self.head_format = "nvfp4"
         if self.head_format == "nvfp4":
@@ -103,8 +105,6 @@ def head_format(spec: ModelSpec, opts: CompileOptions) -> str:
         return "bf16" if spec.tie_embeddings or opts.quant == "bf16" else "int8"
     if fmt not in ("bf16", "int8", "nvfp4"):
         raise CompileError(f"--head-format {fmt}: choose auto, bf16, int8 or nvfp4")
-    if opts.quant_head and fmt != "nvfp4":
-        raise CompileError(f"--quant-head is --head-format nvfp4; it contradicts --head-format {fmt}")
     if fmt == "int8" and spec.tie_embeddings:
         raise CompileError("--head-format int8: this model's head is tied (the embedding table is the head), and "
                            "the table is stored bf16 or NVFP4 only; use --quant-embed for NVFP4")

@@ -43,7 +43,7 @@ from impc.cli_eval import BundleModel, default_text
 from impc.compile import CompileOptions, compile_model
 from impc.forward import embed, final_hidden, layer_forward, layer_weights, log_softmax_rows
 from impc.plan import tensor_bytes
-from impc.quantize import measure_error, quantize_nvfp4
+from impc.quantize import measure_error, quantize_int8_rows, quantize_nvfp4
 from imp_runtime.bundle import load_bundle
 from imp_runtime.tokenizer import Tokenizer
 
@@ -143,7 +143,8 @@ def nvfp4(w: np.ndarray) -> tuple[np.ndarray, int]:
 FORMATS: dict[str, Callable[[np.ndarray], tuple[np.ndarray, int]]] = {
     "FP8 E4M3, scale/row": lambda w: scaled(w, None, E4M3_MAX, e4m3),
     "FP8 E4M3, scale/32": lambda w: scaled(w, 32, E4M3_MAX, e4m3),
-    "INT8, scale/row": lambda w: scaled(w, None, INT8_MAX, int8),
+    # what a bundle stores (impc/quantize.py), the same rounding as scaled(w, None, INT8_MAX, int8)
+    "INT8, scale/row": lambda w: (quantize_int8_rows(w).dequantize(), tensor_bytes(w.shape, "int8")),
     "INT8, scale/32": lambda w: scaled(w, 32, INT8_MAX, int8),
     "NVFP4 (impc/quantize.py)": nvfp4,
 }
