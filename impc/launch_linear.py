@@ -33,7 +33,6 @@ GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR3_STAGES, GR3_BLOCKS = 3, 3
 GR3_SMEM = GR3_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 GR_NB = (1, 2, 4)
-SM_SMEM = 233472                               # Hopper: shared memory an SM (228 KB; 1 KB of it reserved a block)
 GR_STATIC_SMEM = 6144                          # gemv_ring*'s static shared memory (5 KB: the tiles' partial sums), rounded up
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
@@ -340,7 +339,8 @@ class LinearLaunches:
             # one row on the persistent grid: each warp's K range of the activation staged in shared memory behind
             # the ring (gemv_ringx_*), four stages deep or, where that leaves no room, three (gemv_ringx3_*)
             xs = GV_WARPS * 2 * (lin.k // (GV_WARPS // 2 if gated else GV_WARPS) * 2 + 32)
-            per_block = SM_SMEM // GR_BLOCKS - 1024 - GR_STATIC_SMEM
+            # the SM's shared memory (targets/: smem_per_sm_bytes) over the ring's blocks, 1 KB of it reserved a block
+            per_block = self.target["smem_per_sm_bytes"] // GR_BLOCKS - 1024 - GR_STATIC_SMEM
             for ring, stages_smem in (("ringx", GR_SMEM), ("ringx3", GR3_SMEM)):
                 if stages_smem + xs <= per_block and not (gated and ring == "ringx3"):
                     kern = f"gemv_{ring}_{kern[len('gemv_'):]}"
