@@ -473,14 +473,14 @@ def test_penalties(ex):
 # ------------------------------------------------------------------ norms, embedding, head helpers
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_rmsnorm(ex, phase):
-    """rmsnorm_residual into the next linear's activation format (x planes for a GEMV: float32 accuracy)."""
+@pytest.mark.parametrize("phase,tokens,rows", [("decode", 4, 4), ("decode", 16, 11), ("prefill", 0, 5)])
+def test_rmsnorm(ex, phase, tokens, rows):
+    """rmsnorm_residual into the next linear's activation format (x planes for a GEMV: float32 accuracy; at 16
+    decode rows, where the decode GEMM takes them, its permuted XF_F16W rows)."""
     from imp_runtime.activation_formats import XF_BF16, XF_F16, XF_F16W
     from imp_runtime.executor_cpu import rms_norm
     s, rng = ex.spec, np.random.default_rng(1)
-    tokens = 4 if phase == "decode" else ex.prefill_chunk
-    rows = 4 if phase == "decode" else 5
+    tokens = tokens or ex.prefill_chunk
     i, x = find(ex, phase, tokens, "rmsnorm_residual")
     xin = (rng.standard_normal((rows, s.hidden)) * 3).astype(np.float32)
     w = rng.standard_normal(s.hidden).astype(np.float32)
