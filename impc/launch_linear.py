@@ -254,7 +254,8 @@ class LinearLaunches:
         ytiles = -(-self.rows_max // nb)
         # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
         splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
-        split_args, ws = split_k_buffers(splits, tiles * ytiles, tiles * ytiles * nb * WQ_ROWS * 4)
+        # a slot of partial sums a split and tile (the last split to end adds them: templates/gemm_wgmma_nvfp4.cu.j2)
+        split_args, ws = split_k_buffers(splits, tiles * ytiles, splits * tiles * ytiles * nb * WQ_ROWS * 4)
         box = WQ_ROWS // 2 if gated else WQ_ROWS
         out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
         reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []) + ws
