@@ -1,8 +1,11 @@
 """`impc bench BUNDLE`: decode and prefill throughput of a bundle on the GPU it runs on.
 
 Reports decode tok/s at several batch sizes (tg: tokens generated per sequence after a short prompt; each
-step is the executor's `decode`, the step the server runs: step values in, one graph replay with the
-GPU sampler, the sampled ids back), prefill tok/s (pp: one prompt of that many tokens, chunked as
+step is the step the server runs: step values in, one graph replay with the GPU sampler, the sampled ids
+back; each launched before the last one's ids are read, its rows fed the ids the last one sampled on the
+device, as the server's scheduler does where the executor can: the host's work on a step runs beside the
+next. The same decode with each step written after the last one's ids are back, the host's time between
+steps counted, is reported beside it as "host-serial"), prefill tok/s (pp: one prompt of that many tokens, chunked as
 planned), time to first token (a 128-token prompt to its first token id on the host), load time, GPU
 memory, and the weight bandwidth decode achieves at batch 1 as a fraction of the device-to-device copy
 bandwidth measured in the same run (bytes read + written per second). Each figure is the median of
@@ -96,7 +99,7 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
     vocab = bundle.spec.vocab_size
     greedy = SamplingParams(temperature=0.0)
     res: dict = {"bundle": bundle.name, "gpu": ex.gpu_name, "target": ex.target, "load_s": load_s,
-                 "copy_bandwidth_Bps": bw, "decode": {}, "prefill": {}, "runs": runs,
+                 "copy_bandwidth_Bps": bw, "decode": {}, "prefill": {}, "runs": runs, "tg": tg,
                  "weights_bytes": ex.memory()["weights_bytes"], "decode_weight_bytes": decode_weight_bytes(bundle)}
 
     def sequence(n_tokens: int) -> tuple[int, BlockTable]:
@@ -110,24 +113,43 @@ def run_bench(bundle_path: str, batches: list[int], tg: int, pps: list[int], pro
         ex.free(sid)
         blocks.release(table)
 
+    def decode_run(b: int, ahead: bool) -> float:
+        """tok/s of tg steps of b sequences after a prompt-long prefill. ahead: each step launched before the last
+        one's tokens are read, its rows fed on the device the tokens the last one sampled (the server's way where
+        the executor feeds them: runtime/scheduler.py `ahead`), so the host's work on a step runs beside the next;
+        else each step's values written after the last one's tokens are back (the host's time between steps
+        counted)."""
+        seqs = [sequence(prompt + tg + 2) for _ in range(b)]
+        toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
+        toks = ex.decode([StepRow(sid, tok, prompt, greedy) for (sid, _), tok in zip(seqs, toks)]).tokens  # warm-up
+        pos = prompt + 1
+        t = time.perf_counter()
+        if ahead:
+            last = None
+            for i in range(tg):
+                h = ex.decode_submit([StepRow(sid, None if i else tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)])
+                if last is not None:
+                    ex.decode_collect(last)
+                last, pos = h, pos + 1
+            ex.decode_collect(last)
+        else:
+            for _ in range(tg):
+                toks = ex.decode([StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]).tokens
+                pos += 1
+        dt = time.perf_counter() - t
+        for seq in seqs:
+            release(*seq)
+        return b * tg / dt
+
     for b in batches:
         if b > ex.max_batch:
             continue
-        rates = []
+        rates, serial = [], []
         for _ in range(runs):
-            seqs = [sequence(prompt + tg + 2) for _ in range(b)]
-            toks = [int(np.argmax(ex.prefill(sid, rng.integers(3, vocab, prompt).tolist(), 0))) for sid, _ in seqs]
-            pos = prompt
-            for i in range(tg + 1):                    # the first step warms up
-                if i == 1:
-                    t = time.perf_counter()
-                toks = ex.decode([StepRow(sid, tok, pos, greedy) for (sid, _), tok in zip(seqs, toks)]).tokens
-                pos += 1
-            dt = time.perf_counter() - t
-            rates.append(b * tg / dt)
-            for seq in seqs:
-                release(*seq)
-        res["decode"][str(b)] = {"tok_s": statistics.median(rates), "step_ms": 1e3 * b / statistics.median(rates)}
+            serial.append(decode_run(b, False))
+            rates.append(decode_run(b, True) if ex.feeds_sampled else serial[-1])
+        res["decode"][str(b)] = {"tok_s": statistics.median(rates), "step_ms": 1e3 * b / statistics.median(rates),
+                                 "serial_tok_s": statistics.median(serial), "ahead": bool(ex.feeds_sampled)}
         log(f"decode batch {b}: {statistics.median(rates):.1f} tok/s")
     for pp in pps:
         if pp + 1 > ex.max_context:
@@ -204,7 +226,8 @@ def _commit() -> str:
 def format_table(r: dict) -> str:
     lines = [f"bundle {r['bundle']} on {r['gpu']} ({r['target']}), median of {r['runs']} runs"]
     for b, d in r["decode"].items():
-        lines.append(f"  decode  batch {b:>3}  tg128  {d['tok_s']:10.1f} tok/s  ({d['step_ms']:.2f} ms/step)")
+        serial = f"; host-serial steps {d['serial_tok_s']:.1f}" if d.get("ahead") else ""
+        lines.append(f"  decode  batch {b:>3}  tg{r.get('tg', 128)}  {d['tok_s']:10.1f} tok/s  ({d['step_ms']:.2f} ms/step{serial})")
     for pp, d in r["prefill"].items():
         lines.append(f"  prefill pp{pp:<5}        {d['tok_s']:10.0f} tok/s  ({d['ms']:.1f} ms)")
     for bt, d in r.get("mixed", {}).items():

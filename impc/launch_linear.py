@@ -24,6 +24,10 @@ GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the g
 GR_RESIDENT = 2                                # the blocks an SM its registers are sized for (launch bounds); 3 over a
                                                # grid of 2 an SM, so the next kernel's blocks could start beside and
                                                # prefetch, ran gate_up slower (BENCHMARKS.md, fourteenth session)
+# 16-row tiles a block of the INT8 GEMV (templates/gemv.cu.j2 gemv_int8_body) by rows: the activation read once for
+# all of them. 8B head (H200): 8 rows 256 -> 188 us (58 -> 79% of the copy), 16 rows 442 -> 271 us; at 2 rows two
+# tiles ran 150 -> 156 us, and four tiles spill at 8 rows (220 us) (BENCHMARKS.md, twenty-first session)
+GV_I8_TILES = {1: 1, 2: 1, 4: 1, 8: 2, 16: 2}
 GV_WARPS = 8                                   # the decode GEMVs' warps a block (templates/gemv.cu.j2 GV_WARPS)
 GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 # gemv_ring3_*: three stages, registers for three blocks an SM; an ungated GEMV of more tiles than GR_BLOCKS blocks an
@@ -292,7 +296,8 @@ class LinearLaunches:
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
         if planes:
-            kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, (lin.n + 15) // 16)
+            tiles = -(-lin.n // (16 * GV_I8_TILES[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
+            kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, tiles)
             e.add(kern, (grid,), (256,),
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes,
                   smem=smem)

@@ -14,15 +14,21 @@ import subprocess
 import sys
 
 LINE = re.compile(r"^\s*(decode\s+batch\s+\d+|prefill\s+pp\d+)\b.*?([\d.]+) tok/s")
+SERIAL = re.compile(r"host-serial steps ([\d.]+)")
 
 
 def parse_bench(text: str) -> dict[str, float]:
-    """tok/s by measurement ('decode batch 1', 'prefill pp512') from `impc bench` output."""
+    """tok/s by measurement ('decode batch 1', 'decode batch 1 host-serial', 'prefill pp512') from `impc bench`
+    output."""
     out = {}
     for line in text.splitlines():
         m = LINE.match(line)
         if m:
-            out[" ".join(m.group(1).split())] = float(m.group(2))
+            name = " ".join(m.group(1).split())
+            out[name] = float(m.group(2))
+            serial = SERIAL.search(line)
+            if serial:
+                out[name + " host-serial"] = float(serial.group(1))
     return out
 
 

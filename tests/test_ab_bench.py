@@ -18,6 +18,18 @@ def test_parse_bench():
     assert parse_bench(BENCH) == {"decode batch 1": 383.7, "decode batch 2": 720.4, "prefill pp512": 36299.0}
 
 
+def test_parse_bench_reads_the_ahead_and_host_serial_figures_of_format_table():
+    from impc.cli_bench import format_table
+    from scripts.ab_bench import parse_bench
+    r = {"bundle": "b", "gpu": "g", "target": "t", "runs": 3, "tg": 64, "load_s": 1.0, "prefill": {},
+         "peak_gpu_memory_bytes": 2**30, "memory": {"weights_bytes": 0, "kv_bytes": 0, "scratch_bytes": 0},
+         "decode": {"8": {"tok_s": 3001.5, "step_ms": 8 / 3.0015, "serial_tok_s": 2819.25, "ahead": True},
+                    "1": {"tok_s": 445.0, "step_ms": 1 / 0.445, "serial_tok_s": 445.0, "ahead": False}}}
+    text = format_table(r)
+    assert "tg64" in text
+    assert parse_bench(text) == {"decode batch 8": 3001.5, "decode batch 8 host-serial": 2819.2, "decode batch 1": 445.0}
+
+
 def test_summarize_medians_and_spreads():
     from scripts.ab_bench import summarize
     a = [{"decode batch 1": v, "prefill pp512": 100.0} for v in (380.0, 390.0, 370.0)]

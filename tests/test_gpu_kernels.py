@@ -280,6 +280,35 @@ def test_decode_gemv(ex, b):
         pytest.skip(f"decode {b} runs the GEMM (above the GEMV's rows)")
 
 
+@pytest.mark.parametrize("b", [1, 2, 4, 8, 16])
+def test_decode_gemv_int8_rows_ending_inside_a_block(ex, b):
+    """The INT8 GEMV (the head) over N rows ending inside a block's 16-row tiles and the tiles it takes together
+    (impc/launch_linear.py GV_I8_TILES): the program's launch with N less 40 (its grid unchanged, so blocks past
+    the rows run too), against float64 products; outputs past N are not written."""
+    import dataclasses
+
+    from imp_runtime.activation_formats import xfmt
+    from imp_runtime.cuda_program import bind_launch
+    if ("decode", b) not in ex.phases:
+        pytest.skip(f"no decode bucket {b}")
+    i, x = find(ex, "decode", b, "gemv_int8")
+    a_name, out = buf(x, 0), buf(x, 3)
+    n, k, mode = scalar(x, 4) - 40, scalar(x, 5), scalar(x, 7)
+    assert mode == 0 and scalar(x, 6) == b
+    x2 = dataclasses.replace(x, args=(*x.args[:4], {"i32": n}, *x.args[5:]))
+    rng = np.random.default_rng(70 + b)
+    wref = random_weights(ex, x, [1, 2], n, k, rng, tiny_rows=10)
+    a = (rng.standard_normal((b, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
+    a = put_activation(ex, a_name, a, xfmt("int8"))
+    poison(ex, out)
+    bind_launch(x2, ex.module, ex.arena, dict(ex.program.symbols, rows=b, dec=0)).run(ex.stream)
+    ex.synchronize()
+    got = get(ex, out, np.float32, b * n + 64)
+    err = dot_rel(got[:b * n].reshape(b, n), a.astype(np.float64) @ wref.T.astype(np.float64), a, wref)
+    assert err <= TOL_F32, f"{x.kernel}, {b} rows, N {n}: error {err:.2e} of the products' magnitude"
+    assert np.all(got[b * n:].view(np.uint32) == 0xFFFFFFFF), "written past the last row"
+
+
 @pytest.mark.parametrize("m", [1, 3, 17, 100, 300, 1100])
 def test_prefill_gemm(ex, m):
     """The prefill GEMMs of every prefill phase with a ragged number of rows (the grid shrinks to them);
