@@ -48,7 +48,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--gemv-max-rows", type=int, default=None, metavar="N", choices=[0, 1, 2, 4, 8, 16],
                    help="decode batches of up to N rows use the tensor-core GEMV, larger ones the GEMM (default by "
                         "the shape, as measured: on Hopper 4 for hidden sizes of 4096 and up and 8 below when the "
-                        "NVFP4 decode GEMM takes every layer, else 8 for 4096 and up and 16 below)")
+                        "NVFP4 decode GEMM takes every layer, else 8 for 4096 and up and 16 below). 0: every decode "
+                        "batch on the GEMMs, the output head's too; where that GEMM takes every layer (Hopper, layer "
+                        "K multiples of 256) a sequence's logits then do not depend on the batch it runs in "
+                        "(batch-invariant decode, slower at few rows)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="no programmatic dependent launch in the decode graphs (default: on)")
     p.add_argument("--prefill-split-k", action="store_true",

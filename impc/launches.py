@@ -243,9 +243,12 @@ class ProgramBuilder(LinearLaunches):
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         head = self.lin("embed" if s.tie_embeddings else "lm_head")
-        if head.fmt == "int8" and isinstance(rows, int) and not dec and rows <= GEMV_NB[-1] and x_off == 0:
+        if (head.fmt == "int8" and isinstance(rows, int) and not dec and rows <= GEMV_NB[-1] and x_off == 0
+                and self.gemv_rows > 0):
             # a decode batch past the layers' GEMV rows: the INT8 head still on its GEMV (one pass over the codes;
-            # the mma.sync GEMM expands them through shared memory for every 64 rows it does not have)
+            # the mma.sync GEMM expands them through shared memory for every 64 rows it does not have). Not with
+            # --gemv-max-rows 0, where every decode batch runs the GEMMs: the head then too, so a row's logits do
+            # not depend on the batch (the GEMV and the GEMM sum a row's products in different orders)
             dec, nb = True, next(x for x in GEMV_NB if x >= rows)
         self.rmsnorm(e, "x", "final_norm", "hb", rows, xfmt(head.fmt) if dec else gfmt(head.fmt), x_off)
         self.linear(e, "hb", head, "logits", rows, 0, dec, split_k, nb)

@@ -20,12 +20,13 @@ import os  # noqa: E402
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
         "llama-i8": "llama",
-        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-pen": "qwen3",
+        "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-wide-i8": "qwen3_wide_untied", "qwen3-pen": "qwen3",
         "qwen3-rope": "qwen3", "qwen2-rope": "qwen2"}     # -rope: --rope-in-attention
 # llama-i8: the output head INT8 with a scale a row (--head-format int8)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
-GEMV_MAX_ROWS = {"qwen3-wide": 0}
+GEMV_MAX_ROWS = {"qwen3-wide": 0, "qwen3-wide-i8": 0}
+# qwen3-wide-i8: qwen3-wide untied, its head INT8: with --gemv-max-rows 0 the head on the INT8 GEMM at every batch too
 # qwen3-pen: the tiny qwen3 with --gpu-penalties (the sampler's penalties on the device, the compile default);
 # the others without, so their host-penalty paths stay tested (and the synthetic ones fit VRAM_GIB)
 # llama: Hopper prefill expands each NVFP4 weight before its GEMM (--prefill-weights dequant); the others keep

@@ -29,9 +29,9 @@ def tiny_config(family: str):
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     if family == "qwen3":
         return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
-    if family == "qwen3_wide":      # every layer K a multiple of 256: Hopper's NVFP4 decode GEMM takes them all
-        return tf.Qwen3Config(**{**common, "hidden_size": 256, "intermediate_size": 512}, head_dim=64,
-                              tie_word_embeddings=True)
+    if family in ("qwen3_wide", "qwen3_wide_untied"):      # every layer K a multiple of 256: Hopper's NVFP4 decode
+        return tf.Qwen3Config(**{**common, "hidden_size": 256, "intermediate_size": 512}, head_dim=64,   # GEMM
+                              tie_word_embeddings=family == "qwen3_wide")                # takes them all
     if family == "gemma3":
         return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32, sliding_window=20,
                                    layer_types=["sliding_attention", "full_attention"] * 2,

@@ -22,7 +22,8 @@ except ImportError:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs an NVIDIA GPU")]
 
-BUNDLES = ["llama", "llama-qe", "llama-i8", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide", "qwen3-pen"]
+BUNDLES = ["llama", "llama-qe", "llama-i8", "syn-qwen3-0.6b", "syn-gemma3-hd256", "qwen3-wide", "qwen3-wide-i8",
+           "qwen3-pen"]
 TOL, TOL_F32 = 1e-2, 1e-4
 
 

@@ -65,7 +65,8 @@ def test_tiny_logits(name):
 
 
 @pytest.mark.parametrize("name,b", [("qwen3", 32), ("qwen3", 64), ("qwen3-wide", 3), ("qwen3-wide", 16),
-                                    ("qwen3-wide", 64), ("qwen3-rope", 5), ("qwen3-rope", 64)])
+                                    ("qwen3-wide", 64), ("qwen3-wide-i8", 3), ("qwen3-wide-i8", 64),
+                                    ("qwen3-rope", 5), ("qwen3-rope", 64)])
 def test_decode_batch_above_gemv_rows_vs_cpu(name, b):
     """Decode batches past the GEMV's rows run the GEMMs (qwen3: the mma.sync GEMM with atomic split-K;
     qwen3-wide on Hopper: every batch on the NVFP4 wgmma GEMM): every row's logits against the cpu executor's,
@@ -315,14 +316,16 @@ def test_synthetic_runs():
 
 
 @pytest.mark.parametrize("name,context", [("syn-qwen3-0.6b", 10), ("syn-qwen3-0.6b", 300), ("syn-qwen3-0.6b", 3000),
-                                          ("qwen3-wide", 10), ("qwen3-wide", 300), ("syn-qwen3-8b-2l", 300),
+                                          ("qwen3-wide", 10), ("qwen3-wide", 300), ("qwen3-wide-i8", 300),
+                                          ("syn-qwen3-8b-2l", 300),
                                           ("qwen3-rope", 10), ("qwen3-rope", 300)])
 def test_decode_is_batch_invariant(name, context):
     """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
     lengths (the decode GEMV rows, attention splits cut by each sequence's own length, and the merge order do not
     depend on the batch): syn-qwen3-0.6b in batches up to its GEMV's rows (batches above run a GEMM whose fp16
     activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
-    run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64; the 8B shape's layers, whose
+    run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64 (qwen3-wide-i8: with an INT8
+    head, on its GEMM at every batch under --gemv-max-rows 0); the 8B shape's layers, whose
     GEMVs at 1, 2 and 4 rows are the streamed ones (qkv on gemv_ring3_*); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle
@@ -330,7 +333,7 @@ def test_decode_is_batch_invariant(name, context):
     from imp_runtime.executor_cuda import CudaExecutor
     ex = CudaExecutor(load_bundle(gpu_bundle(name)))
     gemv = ex.program.options["gemv_max_rows"]
-    batches = (1, 2, 5, 8, 16, 17, 32, 64) if name == "qwen3-wide" else tuple(b for b in (1, 2, 4, 8, 16) if b <= gemv)
+    batches = (1, 2, 5, 8, 16, 17, 32, 64) if name.startswith("qwen3-wide") else tuple(b for b in (1, 2, 4, 8, 16) if b <= gemv)
     assert len(batches) > 2
     try:
         rng = np.random.default_rng(context)
