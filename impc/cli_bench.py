@@ -247,9 +247,27 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _counts(flag: str, text: str, low: int) -> list[int]:
+    """A comma-separated list of whole numbers of at least `low` (--batches, --pp); ValueError with what is wrong."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text}: give whole numbers separated by commas, e.g. 1,8,64") from None
+    if any(v < low for v in out):
+        raise ValueError(f"{flag} {text}: every value must be at least {low}")
+    return out
+
+
 def cmd_bench(a) -> int:
-    batches = [int(x) for x in a.batches.split(",") if x]
-    pps = [int(x) for x in a.pp.split(",") if x]
+    try:
+        batches = _counts("--batches", a.batches, 1)
+        pps = _counts("--pp", a.pp, 1)
+        for flag, v in (("--tg", a.tg), ("--runs", a.runs), ("--prompt", a.prompt)):
+            if v < 1:
+                raise ValueError(f"{flag} {v}: must be at least 1")
+    except ValueError as e:
+        print(f"impc bench: {e}", file=sys.stderr)
+        return 2
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
     try:      # B:T or B:TxN (N chunks of T tokens, each of its own sequence)
         mixed = [tuple(int(v) for v in x.replace("x", ":").split(":")) for x in a.mixed.split(",") if x]

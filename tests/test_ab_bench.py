@@ -40,3 +40,20 @@ def test_summarize_medians_and_spreads():
     assert (ma, mb) == (380.0, 400.0)
     assert d == pytest.approx(400 / 380 - 1)
     assert sa == pytest.approx(20 / 380) and sb == pytest.approx(8 / 400)
+
+
+@pytest.mark.parametrize("args,msg", [(["--batches", "1,x"], "--batches 1,x: give whole numbers"),
+                                      (["--batches", "0,8"], "at least 1"), (["--pp", "-5"], "--pp -5"),
+                                      (["--tg", "0"], "--tg 0: must be at least 1"),
+                                      (["--runs", "0"], "--runs 0: must be at least 1")])
+def test_bench_refuses_bad_counts_before_touching_a_gpu(tmp_path, capsys, args, msg):
+    """`impc bench` with a malformed count: exit 2 and a one-line reason, no traceback, no GPU needed."""
+    import argparse
+
+    from impc.cli_bench import add_parser, cmd_bench
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    a = p.parse_args(["bench", str(tmp_path), *args])
+    assert cmd_bench(a) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
