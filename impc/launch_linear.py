@@ -25,9 +25,10 @@ GR_RESIDENT = 2                                # the blocks an SM its registers 
                                                # grid of 2 an SM, so the next kernel's blocks could start beside and
                                                # prefetch, ran gate_up slower (BENCHMARKS.md, fourteenth session)
 # 16-row tiles a block of the INT8 GEMV (templates/gemv.cu.j2 gemv_int8_body) by rows: the activation read once for
-# all of them. 8B head (H200): 8 rows 256 -> 188 us (58 -> 79% of the copy), 16 rows 442 -> 271 us; at 2 rows two
-# tiles ran 150 -> 156 us, and four tiles spill at 8 rows (220 us) (BENCHMARKS.md, twenty-first session)
-GV_I8_TILES = {1: 1, 2: 1, 4: 1, 8: 2, 16: 2}
+# all of them. 8B head (H200): 8 rows 256 -> 188 us (58 -> 79% of the copy) with two tiles, 178 us with three (128
+# registers, no spills), 16 rows 442 -> 271 us with two; at 2 rows two tiles ran 150 -> 156 us, and four spill at
+# 8 rows (220 us) (BENCHMARKS.md, twenty-first session)
+GV_I8_TILES = {1: 1, 2: 1, 4: 1, 8: 3, 16: 2}
 GV_WARPS = 8                                   # the decode GEMVs' warps a block (templates/gemv.cu.j2 GV_WARPS)
 GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 # gemv_ring3_*: three stages, registers for three blocks an SM; an ungated GEMV of more tiles than GR_BLOCKS blocks an
