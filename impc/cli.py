@@ -71,9 +71,6 @@ def _add_compile(sub) -> None:
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (experimental, default off: measured no faster than the separate "
                         "rope kernel)")
-    p.add_argument("--no-wq-norm", action="store_true",
-                   help="Hopper decode batches on the 16-row NVFP4 GEMM: the RMSNorm before qkv and gate_up as its own "
-                        "launch instead of in the GEMM's prologue (to compare; default: in the prologue)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -151,8 +148,7 @@ def cmd_compile(a) -> int:
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
-                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
-                          wq_norm=not a.no_wq_norm)
+                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

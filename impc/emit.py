@@ -84,14 +84,12 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
     from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS, attn_partial_row
     from impc.launches import attn_decode_geometry, fa_wg_geometry
     from impc.launch_linear import (GR3_BLOCKS, GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR, GV_I8_TILES,
-                                    WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_norm_nbs,
-                                    wq_shape)
+                                    WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "attn_partial_row": attn_partial_row(spec.head_dim),
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
            "wg": {"m": WG_TILE_M, "k": WG_TILE_K, "stages": WG_STAGES, "threads": WG_THREADS},
-           "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec),
-                  "norm": wq_norm_nbs(spec, target) if wq_shape(spec) else []},
+           "wq": {"k": WQ_K, "rows": WQ_ROWS, "rw": WQ_RW, "ra": WQ_RA, "emit": wq_shape(spec)},
            "fw": fa_wg_geometry(spec.head_dim, target) or {"emit": False},
            "ad": attn_decode_geometry(spec, target),
            "gr": {"stages": GR_STAGES, "ur": GR_UR, "resident": GR_RESIDENT, "smem": GR_SMEM,

@@ -75,22 +75,10 @@ def wq_shape(spec: ModelSpec) -> bool:
     return spec.hidden % WQ_K == 0 or spec.q_dim % WQ_K == 0
 
 
-def wq_smem_bytes(nb: int, norm_k: int = 0) -> int:
-    """Dynamic shared memory of gemm_wq<nb>: the consumers' reduction, the activation ring (gemm_wq<nb>n, norm_k =
-    the hidden size: the whole normed activation) and the raw ring, 1 KB to align them for the 128-byte swizzle,
-    barriers."""
-    act = nb * norm_k * 2 if norm_k else WQ_RA[nb] * nb * WQ_K * 2
-    return nb * 256 + act + WQ_RW * WQ_RAW + 1024 + 8 * 2 * (WQ_RW + WQ_RA[nb])
-
-
-def wq_norm_nbs(spec: ModelSpec, target: dict) -> list[int]:
-    """The gemm_wq row counts with a fused-norm variant gemm_wq<nb>n (the hidden size whole 256s, its normed
-    activation resident in shared memory beside the raw ring: 205 KB at the 8B shape's 16 rows). 16 only: at 32 rows
-    the 8B's does not fit, and a shape whose 32 and 64 fit keeps them on rmsnorm_residual all the same, so the
-    batch-invariance tests compare the two norms' bits."""
-    if target["compute_capability"][0] != 9 or spec.hidden % WQ_K or spec.hidden % 256:
-        return []
-    return [nb for nb in (16,) if wq_smem_bytes(nb, spec.hidden) <= target["smem_per_block_bytes"]]
+def wq_smem_bytes(nb: int) -> int:
+    """Dynamic shared memory of gemm_wq<nb>: the consumers' reduction, the activation and raw rings, 1 KB to
+    align them for the 128-byte swizzle, barriers."""
+    return nb * 256 + WQ_RA[nb] * nb * WQ_K * 2 + WQ_RW * WQ_RAW + 1024 + 8 * 2 * (WQ_RW + WQ_RA[nb])
 
 
 @dataclass
@@ -260,18 +248,10 @@ class LinearLaunches:
             return self.wq_ok(self.lin(lin.name[:-len("down")] + "gate_up"))
         return True
 
-    def wq_norm_ok(self, lin: _Lin) -> bool:
-        """lin (a projection of the normed residual stream) on gemm_wq<nb>n, the RMSNorm in its prologue: where this
-        decode step's rows are one row tile of a kernel that has the variant."""
-        nb = next((x for x in WQ_NB if x >= self.rows_max), 0)
-        return (self.wq_norm and self.opt.wq_norm and self.wq_ok(lin) and lin.k == self.spec.hidden
-                and nb in wq_norm_nbs(self.spec, self.target))
-
-    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, norm: str | None = None) -> None:
+    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
         the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
-        / XF_F16W. norm (the norm weight's name; wq_norm_ok): a is the float32 residual stream, normed by the GEMM
-        (gemm_wq<nb>n) with rmsnorm_residual's bits."""
+        / XF_F16W."""
         m = ev(rows, self.rows_max, self.MB)
         nb = next(x for x in WQ_NB if x >= self.rows_max)
         gated = mode >= 2
@@ -283,23 +263,17 @@ class LinearLaunches:
         split_args, ws = split_k_buffers(splits, tiles * ytiles, splits * tiles * ytiles * nb * WQ_ROWS * 4)
         box = WQ_ROWS // 2 if gated else WQ_ROWS
         out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
-        a_reads = [(a, m * lin.k * 4), (norm, lin.k * 4)] if norm else [(a, m * lin.k * 2)]
-        reads = lin.reads() + a_reads + ([(out, out_bytes)] if mode == 1 else []) + ws
+        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []) + ws
         writes = [(out, out_bytes)] + ws
-        kern, smem = (f"gemm_wq{nb}n", wq_smem_bytes(nb, lin.k)) if norm else (f"gemm_wq{nb}", wq_smem_bytes(nb))
-        self.kernel_smem[kern] = smem
-        weights = [tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
-                   tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK)]
-        common = [ptr(out), ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k),
-                  i32(mode), *split_args, i32(tiles), i32(splits)]
-        if norm:
-            if ytiles != 1 or lin.k != self.spec.hidden:
-                raise ValueError(f"gemm_wq{nb}n takes one row tile of K = hidden rows, not {self.rows_max} x {lin.k}")
-            args = [*weights, *common, ptr(a), ptr(norm)]
-        else:
-            args = [tmap(a, "f16", self.buffers[a].bytes // (lin.k * 2), lin.k, nb), *weights, *common]
+        kern = f"gemm_wq{nb}"
+        self.kernel_smem[kern] = wq_smem_bytes(nb)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
         # persistent: a block an SM at most, walking the units (tile x, row tile, split) in turn
-        e.add(kern, (min(tiles * ytiles * splits, self.sm_count),), (WG_THREADS,), args, reads, writes, smem=smem)
+        e.add(kern, (min(tiles * ytiles * splits, self.sm_count),), (WG_THREADS,),
+              [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
+               tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
+               ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
+               *split_args, i32(tiles), i32(splits)], reads, writes, smem=wq_smem_bytes(nb))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
         """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's

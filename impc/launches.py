@@ -45,14 +45,11 @@ class ProgramOptions:
                                       # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
                                       # per-tile one for every row count)
 
-    wq_norm: bool = True              # Hopper decode batches on gemm_wq16: the RMSNorm before qkv and gate_up in the
-                                      # GEMM's prologue (gemm_wq16n), not a rmsnorm_residual launch
-
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
                 "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
-                "rope_in_attention": self.rope_in_attention, "wq_norm": self.wq_norm}
+                "rope_in_attention": self.rope_in_attention}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
@@ -79,8 +76,6 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
     """Kernels no program of this shape, target and options launches, whatever formats the byte budget picks
     (emit leaves them out of the cubin; the program is validated against the cubin all the same)."""
     out = {"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else set()
-    if not options.wq_norm:
-        out |= {f"gemm_wq{nb}n" for nb in WQ_NB}
     if not options.rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
         out |= {"attn_decode_rope_f16"}
         if attn_decode_geometry(spec, target)["smem3"]:
@@ -118,7 +113,6 @@ class ProgramBuilder(LinearLaunches):
                  options: ProgramOptions, synthetic_seed: int | None = None):
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
         self.gemv_rows = options.gemv_max_rows
-        self.wq_norm = False            # this phase's norms in gemm_wq's prologue where it can (decode phases)
         self.seed = synthetic_seed
         t = plan["targets"][target["name"]]
         self.page, self.chunk, self.kv_pages = t["page_size"], t["prefill_chunk"], t["kv_pages"]
@@ -201,8 +195,6 @@ class ProgramBuilder(LinearLaunches):
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
             if self.norm_fused(qkv, dec, nb):
                 self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
-            elif self.wq_norm_ok(qkv):
-                self.linear_wq(e, "x", qkv, "qkv", rows, 0, norm=p + "attn_norm")
             else:
                 self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
                 self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
@@ -230,9 +222,6 @@ class ProgramBuilder(LinearLaunches):
                        i32(ofmt)],
                       gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)],
                       smem=smem)
-            elif self.wq_norm_ok(gate_up):
-                self.linear_wq(e, "x", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)],
-                               norm=p + "ffn_norm")
             elif self.wq_ok(gate_up):
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)])
@@ -323,7 +312,6 @@ class ProgramBuilder(LinearLaunches):
         self.rows_max, self.wg_layers = b, not dec and self.wg_mode == "copy"
         # ... and on gemm_wq, reading the NVFP4 weights as stored (a quarter of the copies' bytes), up to 64 rows
         self.wq = not dec and self.wq_rows(b)
-        self.wq_norm = self.wq          # (decode phases only: a prefill chunk's rows keep their norm launches)
         e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
         nb = next((x for x in GEMV_NB if x >= b), 0)
         splits = self.attn_splits(b)
@@ -372,7 +360,6 @@ class ProgramBuilder(LinearLaunches):
         empty are skipped (runtime/cuda_program.py)."""
         s = self.spec
         self.rows_max, self.wg_layers, self.wq = chunk, self.wg_mode != "none", self.wq_rows(chunk)
-        self.wq_norm = False
         e = _Emitter(pdl=False)
         self.embed(e, ROWS)
         bt_row = {"sym": "slot", "mul": self.max_pages * 4}

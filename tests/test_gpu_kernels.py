@@ -210,8 +210,6 @@ def check_wq(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict)
     """The Hopper decode GEMM that reads NVFP4 codes and scales as stored and expands them in shared memory:
     against the float64 product of runtime/nvfp4.dequantize's weights (rows with tiny block scales included)."""
     from imp_runtime.activation_formats import XF_F16W
-    if x.kernel.endswith("n"):
-        return check_wq_norm(ex, phase, tokens, index, x, m, rng, env)
     a_name, lin, out = x.args[0]["tmap"]["ptr"], x.args[1]["tmap"]["ptr"][:-len(".codes")], buf(x, 3)
     n, k, mode = scalar(x, 7), scalar(x, 8), scalar(x, 9)
     wref = put_random_weights(ex, [f"{lin}.codes", f"{lin}.scales", f"{lin}.tscale"], n, k, rng,
@@ -221,29 +219,7 @@ def check_wq(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict)
     check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, XF_F16W, TOL, wref)
 
 
-def check_wq_norm(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict) -> None:
-    """gemm_wq<nb>n, the RMSNorm of the residual stream's rows in the GEMM's prologue: against the float64 product
-    of executor_cpu.rms_norm's rows (in float64; rows of magnitudes 0.1..30, a norm weight 0.2..2) and the
-    dequantized weights. (That its rows are rmsnorm_residual's bits: test_gpu_model's batch invariance, where batches
-    of 1..16 rows run this kernel and larger ones rmsnorm_residual before gemm_wq32/64.)"""
-    from imp_runtime.executor_cpu import rms_norm
-    lin, out = x.args[0]["tmap"]["ptr"][:-len(".codes")], buf(x, 2)
-    n, k, mode, x_name, w_name = scalar(x, 6), scalar(x, 7), scalar(x, 8), buf(x, 13), buf(x, 14)
-    wref = put_random_weights(ex, [f"{lin}.codes", f"{lin}.scales", f"{lin}.tscale"], n, k, rng,
-                              tiny_rows=min(40, n // 4))
-    xs = (rng.standard_normal((m, k)) * rng.uniform(0.1, 30, (m, 1)) * rng.uniform(0.5, 2, (1, k))).astype(np.float32)
-    nw = rng.uniform(0.2, 2.0, k).astype(np.float32)
-    if mode >= 2:       # check_gated's activation scale (products of moderate size through act())
-        nw = (nw / np.sqrt(k)).astype(np.float32)
-    put(ex, x_name, xs)
-    put(ex, w_name, nw)
-    a = rms_norm(xs.astype(np.float64), nw.astype(np.float64), ex.spec.norm_eps)
-    if mode >= 2:
-        return check_gated(ex, phase, tokens, index, m, rng, env, None, out, n, k, mode, None, wref, a=a)
-    check_product(ex, phase, tokens, index, x, m, rng, env, None, out, n, k, mode, None, TOL, wref, a=a)
-
-
-def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, afmt, wref, a=None) -> None:
+def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, afmt, wref) -> None:
     """gate_up with act(gate) * up in the GEMM's epilogue (modes 2, 3): the down projection's activation,
     against executor_cpu.gated_act of the float64 product. Each element is held to the rounding its inputs
     carry: the products' magnitudes sum_k |a w| of its gate (times |act'| <= 1.13 and |up|) and of its up
@@ -251,9 +227,8 @@ def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, 
     fp16's subnormals, an absolute step of 2^-19)."""
     from imp_runtime.activation_formats import XF_BF16, XF_F16, XF_F16W
     from imp_runtime.executor_cpu import gated_act, gelu_tanh, silu
-    if a is None:       # (else the kernel computes its activation a itself: the fused norm)
-        a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 3, (1, k)) / np.sqrt(k)).astype(np.float32)
-        a = put_activation(ex, a_name, a, afmt)
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 3, (1, k)) / np.sqrt(k)).astype(np.float32)
+    a = put_activation(ex, a_name, a, afmt)
     gu = a.astype(np.float64) @ wref.T.astype(np.float64)
     ref = gated_act(gu, ex.spec.activation)
     poison(ex, out)
@@ -269,10 +244,9 @@ def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, 
     assert worst <= TOL, f"gated gate_up, {m} rows: error {worst:.2e} of the inputs' rounding scale"
 
 
-def check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref, a=None) -> None:
-    if a is None:       # (else the kernel computes its activation a itself: the fused norm)
-        a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
-        a = put_activation(ex, a_name, a, afmt)
+def check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref) -> None:
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
+    a = put_activation(ex, a_name, a, afmt)
     ref = a.astype(np.float64) @ wref.T.astype(np.float64)
     base = rng.standard_normal((m, n)).astype(np.float32)
     prev = ex.program.phase(phase, tokens).launches[index - 1]
@@ -380,9 +354,8 @@ def test_decode_gemm_nvfp4(ex, b):
     rng = np.random.default_rng(70 + b)
     seen = set()
     for i, x in enumerate(ex.program.phase("decode", b).launches):
-        mi = 8 if x.kernel.endswith("n") else 9         # (gemm_wq<nb>n: no activation map before the weights')
-        if x.kernel.startswith("gemm_wq") and (x.kernel, scalar(x, mi), scalar(x, mi + 4)) not in seen:
-            seen.add((x.kernel, scalar(x, mi), scalar(x, mi + 4)))     # (kernel, mode, K splits)
+        if x.kernel.startswith("gemm_wq") and (x.kernel, scalar(x, 9), scalar(x, 13)) not in seen:
+            seen.add((x.kernel, scalar(x, 9), scalar(x, 13)))     # (kernel, mode, K splits)
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
         pytest.skip(f"decode {b} does not run the NVFP4 decode GEMM")
