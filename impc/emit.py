@@ -122,7 +122,8 @@ def compile_cubin(source: str, target: dict, nvcc: Path, version: str) -> tuple[
         if proc.returncode != 0:
             raise CompileError(f"nvcc failed for {target['name']}:\n{proc.stderr[-4000:]}")
         data = (Path(tmp) / "kernels.cubin").read_bytes()
-        if os.environ.get("IMPC_NVCC_LOG"):     # a developer's look at ptxas's notes (spills, serialized wgmma)
+        if os.environ.get("IMPC_NVCC_LOG"):     # a developer's look at ptxas's notes (spills, serialized wgmma);
+            # only where nvcc ran: a cached cubin has none (IMP_CACHE_DIR to an empty folder forces a compile)
             with open(os.environ["IMPC_NVCC_LOG"], "a") as f:
                 f.write(f"== {target['name']}\n{proc.stderr}")
     tmp_path = cached.with_suffix(f".{os.getpid()}.tmp")
