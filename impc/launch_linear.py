@@ -248,23 +248,48 @@ class LinearLaunches:
             return self.wq_ok(self.lin(lin.name[:-len("down")] + "gate_up"))
         return True
 
-    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
-        """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
-        the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
-        / XF_F16W."""
-        m = ev(rows, self.rows_max, self.MB)
+    def wq_units(self, lin: _Lin, gated: bool) -> tuple[int, int, int, int]:
+        """gemm_wq's work for lin in this phase: NB, weight tiles, row tiles, K splits (its grid: min(units, SMs))."""
         nb = next(x for x in WQ_NB if x >= self.rows_max)
-        gated = mode >= 2
         tiles = -(-(lin.n // 2) // (WQ_ROWS // 2)) if gated else -(-lin.n // WQ_ROWS)
         ytiles = -(-self.rows_max // nb)
         # split K over blocks where the tiles leave SMs idle: every split at least 4 stages (both consumers busy)
         splits = max(1, min(lin.k // WQ_K // 4, self.sm_count // (tiles * ytiles)))
+        return nb, tiles, ytiles, splits
+
+    def wq_norm_tail_ok(self, writer: _Lin, reader: _Lin) -> bool:
+        """The RMSNorm between a gemm_wq launch adding into x (o, down) and the gemm_wq launch reading its result
+        (gate_up, the next layer's qkv) in the writer's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): the
+        hidden size in whole 256s whose float32 row fits the raw ring, and a block of the grid for every row."""
+        if not (self.wq_ok(writer) and self.wq_ok(reader) and writer.n == self.spec.hidden):
+            return False
+        h = self.spec.hidden
+        nb, tiles, ytiles, splits = self.wq_units(writer, False)
+        return h % 256 == 0 and h * 4 <= WQ_RW * WQ_RAW and self.rows_max <= min(tiles * ytiles * splits,
+                                                                                   self.sm_count)
+
+    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, norm: str | None = None) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
+        the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
+        / XF_F16W. norm (mode 1, wq_norm_tail_ok): the RMSNorm with that weight of the rows of out after the add,
+        into hb as XF_F16W, in the launch's tail."""
+        m = ev(rows, self.rows_max, self.MB)
+        gated = mode >= 2
+        nb, tiles, ytiles, splits = self.wq_units(lin, gated)
         # a slot of partial sums a split and tile (the last split to end adds them: templates/gemm_wgmma_nvfp4.cu.j2)
         split_args, ws = split_k_buffers(splits, tiles * ytiles, splits * tiles * ytiles * nb * WQ_ROWS * 4)
         box = WQ_ROWS // 2 if gated else WQ_ROWS
         out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
         reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []) + ws
         writes = [(out, out_bytes)] + ws
+        if norm is not None:
+            assert mode == 1, "the norm tail follows a residual add"
+            h = self.spec.hidden
+            norm_args = [ptr(norm), ptr("hb"), ptr("norm_count")]
+            reads += [(norm, h * 4), ("norm_count", 8)]
+            writes += [("hb", m * h * 2), ("norm_count", 8)]
+        else:
+            norm_args = [ptr(None)] * 3
         kern = f"gemm_wq{nb}"
         self.kernel_smem[kern] = wq_smem_bytes(nb)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
@@ -273,7 +298,7 @@ class LinearLaunches:
               [tmap(a, "f16", rows_a, lin.k, nb), tmap(lin.name + ".codes", "u8", lin.n, lin.k // 2, box, WQ_K // 2),
                tmap(lin.name + ".scales", "u8", lin.n, lin.k // BLOCK, box, WQ_K // BLOCK), ptr(out),
                ptr(lin.name + ".tscale"), {"f32": F16_NVFP4_UNSCALE}, i32(rows), i32(lin.n), i32(lin.k), i32(mode),
-               *split_args, i32(tiles), i32(splits)], reads, writes, smem=wq_smem_bytes(nb))
+               *split_args, i32(tiles), i32(splits), *norm_args], reads, writes, smem=wq_smem_bytes(nb))
 
     def dequant(self, e: _Emitter, lin: _Lin, out: str) -> None:
         """NVFP4 codes and scales of lin -> fp16 q * s * 2^-14 in out (templates/gemm_wgmma.cu.j2); gate_up's
@@ -286,11 +311,12 @@ class LinearLaunches:
               [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
 
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
-               nb: int = 0) -> None:
+               nb: int = 0, norm: str | None = None) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
         GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
         if self.wq_ok(lin):
-            return self.linear_wq(e, a, lin, out, rows, mode)
+            return self.linear_wq(e, a, lin, out, rows, mode, norm)
+        assert norm is None, "only gemm_wq norms in its tail"
         if self.wg_layers and lin.name.startswith("layers."):
             return self.linear_wgmma(e, a, lin, out, rows, mode)
         m = ev(rows, self.rows_max, self.MB)

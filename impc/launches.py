@@ -190,13 +190,15 @@ class ProgramBuilder(LinearLaunches):
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
             return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
+        normed = False           # hb holds this layer's attention norm (the previous down launch's tail)
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
             if self.norm_fused(qkv, dec, nb):
                 self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
             else:
-                self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
+                if not normed:
+                    self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
                 self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
             if not rope_in_attention:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
@@ -208,8 +210,11 @@ class ProgramBuilder(LinearLaunches):
             if s.sandwich_norm:
                 self.linear(e, "attn", o, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
+                normed = False
             else:
-                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb)
+                # the norm before gate_up in o's tail where both run gemm_wq (wq_norm_tail_ok)
+                normed = self.wq_norm_tail_ok(o, gate_up) and not self.norm_fused(gate_up, dec, nb)
+                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None)
             if self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
             elif dec:
@@ -223,7 +228,8 @@ class ProgramBuilder(LinearLaunches):
                       gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)],
                       smem=smem)
             elif self.wq_ok(gate_up):
-                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
+                if not normed:
+                    self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)])
             elif self.gated_wgmma(gate_up):
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
@@ -237,8 +243,13 @@ class ProgramBuilder(LinearLaunches):
             if s.sandwich_norm:
                 self.linear(e, "ab", down, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_ffn_norm", rows)
+                normed = False
             else:
-                self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb)
+                # ... and the next layer's norm before qkv in down's tail
+                nxt = self.lin(f"layers.{i + 1}.qkv") if i + 1 < s.n_layers else None
+                normed = nxt is not None and self.wq_norm_tail_ok(down, nxt) and not self.norm_fused(nxt, dec, nb)
+                self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
+                            norm=f"layers.{i + 1}.attn_norm" if normed else None)
 
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
@@ -427,9 +438,10 @@ class ProgramBuilder(LinearLaunches):
         # decode attention's per-(sequence, kv head) block counters start at 0 (each launch leaves them at 0)
         n = self.buffers["attn_counts"].shape[0] * self.buffers["attn_counts"].shape[1]
         e.add("fill_f32", (1,), (256,), [ptr("attn_counts"), {"u64": n}, {"f32": 0.0}], [], [("attn_counts", n * 4)])
-        if "wg_flags" in self.buffers:   # split-K turn flags start at 0
-            n = self.buffers["wg_flags"].shape[0]
-            e.add("fill_f32", (1,), (256,), [ptr("wg_flags"), {"u64": n}, {"f32": 0.0}], [], [("wg_flags", n * 4)])
+        for name in ("wg_flags", "norm_count"):    # split-K turn flags and the norm tail's counts start at 0
+            if name in self.buffers:
+                n = self.buffers[name].shape[0]
+                e.add("fill_f32", (1,), (256,), [ptr(name), {"u64": n}, {"f32": 0.0}], [], [(name, n * 4)])
         if self.wg_mode == "copy":      # the fp16 copies prefill's wgmma GEMM reads, expanded once at load
             for name, n, k in wgmma_weights(self.spec, self.formats):
                 self.dequant(e, _Lin(name, "nvfp4", n, k), name + ".f16")

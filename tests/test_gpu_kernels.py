@@ -326,7 +326,9 @@ def test_prefill_gemm(ex, m):
                 continue        # (the output head over a mixed step's sampled rows: test_mixed_step_vs_cpu)
             if not all(evaluate(g, {"rows": m}) for g in x.grid if isinstance(g, dict) and g["sym"] == "rows"):
                 continue        # the alternative kernel for other row counts
-            key = (tokens, x.kernel, str(x.args[8:]) if x.kernel.startswith("gemm_wg") else x.args[-1]["i32"], x.grid[2])
+            key = (tokens, x.kernel, str(x.args[8:]) if x.kernel.startswith("gemm_wg")
+                   else (x.args[9]["i32"], x.args[13]["i32"]) if x.kernel.startswith("gemm_wq")   # mode, K splits
+                   else x.args[-1]["i32"], x.grid[2])
             if key not in seen:
                 seen.add(key)
                 check_linear(ex, "prefill", tokens, i, x, m, rng, {"rows": m, "start": 0, "slot": 1})
@@ -359,6 +361,55 @@ def test_decode_gemm_nvfp4(ex, b):
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
         pytest.skip(f"decode {b} does not run the NVFP4 decode GEMM")
+
+
+@pytest.mark.parametrize("b,rows", [(8, 8), (16, 11), (32, 32), (64, 64), (64, 37)])
+def test_decode_gemm_norm_tail(ex, b, rows):
+    """The RMSNorm in the tail of the NVFP4 decode GEMM that adds into x (o before gate_up, down before the next
+    layer's qkv: templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): x after the add against the float64 product, the
+    normed rows against rms_norm of that x, and bit for bit what rmsnorm_residual (layer 0's attention norm, still a
+    launch) writes from the same x and weight; the tail's counts back at 0 for the next launch, twice over."""
+    from imp_runtime.activation_formats import XF_F16W
+    from imp_runtime.executor_cpu import rms_norm
+    if ("decode", b) not in ex.phases:
+        pytest.skip(f"no decode bucket {b}")
+    launches = ex.program.phase("decode", b).launches
+    tails = [(i, x) for i, x in enumerate(launches) if x.kernel.startswith("gemm_wq") and buf(x, 14) is not None]
+    if not tails:
+        pytest.skip(f"decode {b} norms in no GEMM's tail")
+    j, xn = next((j, y) for j, y in enumerate(launches) if y.kernel == "rmsnorm_residual" and scalar(y, 4) == XF_F16W)
+    s, rng = ex.spec, np.random.default_rng(90 + rows)
+    h = s.hidden
+    for i, x in tails[:2]:                     # o (the MLP's norm in its tail) and down (the next layer's)
+        a_name, lin, out = x.args[0]["tmap"]["ptr"], x.args[1]["tmap"]["ptr"][:-len(".codes")], buf(x, 3)
+        n, k, nout = scalar(x, 7), scalar(x, 8), buf(x, 15)
+        assert out == buf(xn, 0) and nout == buf(xn, 3) and n == h
+        wref = put_random_weights(ex, [f"{lin}.codes", f"{lin}.scales", f"{lin}.tscale"], n, k, rng)
+        a = put_activation(ex, a_name, (rng.standard_normal((rows, k)) * 0.5).astype(np.float32), XF_F16W)
+        base = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+        w = rng.standard_normal(h).astype(np.float32)
+        put(ex, out, base)
+        put(ex, buf(x, 14), w)
+        poison(ex, nout)
+        run(ex, "decode", b, i, rows=rows)
+        xs = get(ex, out, np.float32, rows * n).reshape(rows, n)
+        ref = a.astype(np.float64) @ wref.T.astype(np.float64) + base
+        assert dot_rel(xs, ref, a, wref, base) <= TOL
+        assert np.array_equal(get(ex, "norm_count", np.int32, 2), [0, 0]), "the tail's counts not reset"
+        tail = get(ex, nout, np.uint16, rows * h)
+        assert rel(read_rows(tail, rows, h), rms_norm(xs.astype(np.float64), w, s.norm_eps)) <= TOL
+        put(ex, buf(xn, 0), xs)                # the same x and weight through the norm launch
+        put(ex, buf(xn, 2), w)
+        poison(ex, nout)
+        run(ex, "decode", b, j, rows=rows)
+        assert np.array_equal(get(ex, nout, np.uint16, rows * h), tail), f"{x.kernel}: not rmsnorm_residual's bits"
+        run(ex, "decode", b, i, rows=rows)     # again: the counts it left let it finish and reset them
+        assert np.array_equal(get(ex, "norm_count", np.int32, 2), [0, 0])
+
+
+def read_rows(raw, rows: int, k: int) -> np.ndarray:
+    from imp_runtime.activation_formats import XF_F16W, read_activation
+    return read_activation(raw, rows, k, XF_F16W)
 
 
 @pytest.mark.parametrize("b", [1, 3, 8, 16])

@@ -422,3 +422,45 @@ def test_rope_in_attention_program():
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"}
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
+
+
+def test_norm_in_the_decode_gemm_tail_program():
+    """Decode batches on the NVFP4 decode GEMM (Hopper, past the GEMV's rows): the RMSNorm before gate_up runs in the
+    tail of the o launch, the next layer's before qkv in the down launch's (templates/gemm_wgmma_nvfp4.cu.j2
+    wq_norm_tail), each with that norm's weight, into hb, and the blocks' counts; only layer 0's norm (after the
+    embedding) and the final one stay launches. The GEMV's batches keep their launches (a norm in the one-row GEMV's
+    tail, by the last block to finish, was 5% slower at batch 1: BENCHMARKS.md, twenty-second session), and so does a
+    shape whose
+    o / down grid has fewer blocks than the batch has rows (each norming block takes one row): at hidden 1024, o runs
+    16 tiles of 64 rows in one K split (16 blocks), down (K 3072) in three (48 blocks)."""
+    from imp_runtime.spec import ModelSpec
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    t = load_target("sm_90a")
+    spec = SHAPES["qwen3-8b"]
+    f = default_formats(spec)
+    prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(), None)
+    gemv_rows = prog.options["gemv_max_rows"]
+    for ph in prog.phases:
+        if ph.phase != "decode":
+            continue
+        norms = [x for x in ph.launches if x.kernel == "rmsnorm_residual"]
+        wq = [x for x in ph.launches if x.kernel.startswith("gemm_wq") and x.args[9] == {"i32": 1}]
+        if ph.tokens <= gemv_rows:
+            assert len(norms) == 2 * spec.n_layers + 1 and not wq
+            continue
+        assert [x.args[2]["ptr"] for x in norms] == ["layers.0.attn_norm", "final_norm"]
+        want = [w for i in range(spec.n_layers) for w in (f"layers.{i}.ffn_norm", f"layers.{i + 1}.attn_norm")][:-1]
+        assert [x.args[14].get("ptr") for x in wq] == want + [None]
+        assert all(x.args[15:] == ({"ptr": "hb"}, {"ptr": "norm_count"}) for x in wq[:-1])
+        assert all(x.grid[0] >= ph.tokens for x in wq)
+        assert ("hb", ph.tokens * spec.hidden * 2) in wq[0].writes
+    narrow = ModelSpec(family="qwen3", vocab_size=32000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8,
+                       head_dim=64, intermediate=3072, norm_eps=1e-6, rope_theta=1e6, max_position=4096, qk_norm=True)
+    f = default_formats(narrow)
+    prog = build_program(narrow, f, t, plan_memory(narrow, f, [t], None, 4096, 64), ProgramOptions(), None)
+    counts = {ph.tokens: sum(x.kernel == "rmsnorm_residual" for x in ph.launches)
+              for ph in prog.phases if ph.phase == "decode"}
+    assert (counts[16], counts[32], counts[64]) == (2, 4, 5), counts      # 32 rows: layer 0's down norms layer 1
