@@ -71,6 +71,11 @@ def _add_compile(sub) -> None:
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (experimental, default off: measured no faster than the separate "
                         "rope kernel)")
+    p.add_argument("--norm-tail", action=argparse.BooleanOptionalAction, default=True,
+                   help="Hopper decode batches past the GEMV's rows: the RMSNorm after the o and down projections in "
+                        "the tail of their GEMM, a block a row once all have finished (default on); --no-norm-tail "
+                        "keeps it a launch of its own, for GPUs (MIG slices) with no more SMs than the batch has rows, "
+                        "where the bundle refuses to load otherwise")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -148,7 +153,8 @@ def cmd_compile(a) -> int:
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
-                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention)
+                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
+                          norm_tail=a.norm_tail)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -49,6 +49,7 @@ class CompileOptions:
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
     prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
     rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
+    norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused
@@ -64,7 +65,7 @@ class CompileOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
                               decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
                               prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm,
-                              rope_in_attention=self.rope_in_attention)
+                              rope_in_attention=self.rope_in_attention, norm_tail=self.norm_tail)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

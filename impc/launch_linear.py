@@ -260,8 +260,10 @@ class LinearLaunches:
     def wq_norm_tail_ok(self, writer: _Lin, reader: _Lin) -> bool:
         """The RMSNorm between a gemm_wq launch adding into x (o, down) and the gemm_wq launch reading its result
         (gate_up, the next layer's qkv) in the writer's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): the
-        hidden size in whole 256s whose float32 row fits the raw ring, and a block of the grid for every row."""
-        if not (self.wq_ok(writer) and self.wq_ok(reader) and writer.n == self.spec.hidden):
+        hidden size in whole 256s whose float32 row fits the raw ring, and a block of the grid for every row (the
+        norming blocks wait for the rest: a GPU with no more SMs than rows would hang, so the runtime refuses such a
+        bundle there: runtime/executor_cuda.py; --no-norm-tail compiles without)."""
+        if not (self.opt.norm_tail and self.wq_ok(writer) and self.wq_ok(reader) and writer.n == self.spec.hidden):
             return False
         h = self.spec.hidden
         nb, tiles, ytiles, splits = self.wq_units(writer, False)

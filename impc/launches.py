@@ -41,6 +41,8 @@ class ProgramOptions:
                                       # 64) or mma.sync (mma; always used elsewhere)
     rope_in_attention: bool = False   # decode phases: the attention computes q/k norm and RoPE of its rows and appends
                                       # the new key and value itself (attn_decode_rope_*), no qkv_rope launch
+    norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
+                                      # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than rows
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
                                       # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
                                       # per-tile one for every row count)
@@ -49,7 +51,7 @@ class ProgramOptions:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
                 "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
-                "rope_in_attention": self.rope_in_attention}
+                "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
