@@ -166,9 +166,9 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
         tiles = 2 * tiles + 4       # two row tiles (the mid phase) of 64-column tiles, or of wider ones rounded up
         out += [("wg_ws", "scratch", "f32", (tiles, 64 * 128), tiles * 64 * 128 * 4, None),
                 ("wg_flags", "scratch", "i32", (tiles,), tiles * 4, None)]
-    # the norm between gemm_wq launches: the writer's tiles' sums of squares a row (templates/gemm_wgmma_nvfp4.cu.j2)
-    part = 64 * -(-spec.hidden // 64)
-    out.append(("norm_part", "scratch", "f32", (part,), part * 4, None))
+    # the norm in the tail of gemm_wq adding into x (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): its blocks done,
+    # and its norming blocks that saw them done
+    out.append(("norm_count", "scratch", "i32", (2,), 8, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
         for kv in ("k", "v"):

@@ -73,8 +73,9 @@ def _add_compile(sub) -> None:
                         "rope kernel)")
     p.add_argument("--norm-tail", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode batches past the GEMV's rows: the RMSNorm after the o and down projections in "
-                        "the epilogues of their GEMM and of the GEMM after it (default on); --no-norm-tail keeps it a "
-                        "launch of its own, with rmsnorm_residual's bits")
+                        "the tail of their GEMM, a block a row once all have finished (default on); --no-norm-tail "
+                        "keeps it a launch of its own, for GPUs (MIG slices) with no more SMs than the batch has rows, "
+                        "where the bundle refuses to load otherwise")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")

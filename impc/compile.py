@@ -49,7 +49,7 @@ class CompileOptions:
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
     prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
     rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
-    norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in the GEMMs' epilogues
+    norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused

@@ -259,19 +259,22 @@ class LinearLaunches:
 
     def wq_norm_tail_ok(self, writer: _Lin, reader: _Lin) -> bool:
         """The RMSNorm between a gemm_wq launch adding into x (o, down) and the gemm_wq launch reading its result
-        (gate_up, the next layer's qkv) in their epilogues (templates/gemm_wgmma_nvfp4.cu.j2: the writer's fp16(x * w)
-        and per-tile sums of squares, the reader's row scale), where the writer's 64-row tiles cover the hidden size."""
+        (gate_up, the next layer's qkv) in the writer's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): the
+        hidden size in whole 256s whose float32 row fits the raw ring, and a block of the grid for every row (the
+        norming blocks wait for the rest: a GPU with no more SMs than rows would hang, so the runtime refuses such a
+        bundle there: runtime/executor_cuda.py; --no-norm-tail compiles without)."""
+        if not (self.opt.norm_tail and self.wq_ok(writer) and self.wq_ok(reader) and writer.n == self.spec.hidden):
+            return False
         h = self.spec.hidden
-        return (self.opt.norm_tail and self.wq_ok(writer) and self.wq_ok(reader) and writer.n == h
-                and reader.k == h and h % WQ_ROWS == 0)
+        nb, tiles, ytiles, splits = self.wq_units(writer, False)
+        return h % 256 == 0 and h * 4 <= WQ_RW * WQ_RAW and self.rows_max <= min(tiles * ytiles * splits,
+                                                                                   self.sm_count)
 
-    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, norm: str | None = None,
-                  scale: bool = False) -> None:
+    def linear_wq(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, norm: str | None = None) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T, a in XF_F16W, W's NVFP4 codes and scales expanded in registers by
         the GEMM itself (templates/gemm_wgmma_nvfp4.cu.j2); modes 2/3/4: gate_up, act(gate) * up as XF_F16 / XF_BF16
-        / XF_F16W. norm (mode 1, wq_norm_tail_ok): the next RMSNorm, with that weight, in the epilogue: hb =
-        fp16(x * w) as XF_F16W and the tiles' sums of squares a row (norm_part); scale: a reads that hb, and the
-        launch scales its rows by 1 / rms from norm_part (the two halves of the norm)."""
+        / XF_F16W. norm (mode 1, wq_norm_tail_ok): the RMSNorm with that weight of the rows of out after the add,
+        into hb as XF_F16W, in the launch's tail."""
         m = ev(rows, self.rows_max, self.MB)
         gated = mode >= 2
         nb, tiles, ytiles, splits = self.wq_units(lin, gated)
@@ -281,16 +284,14 @@ class LinearLaunches:
         out_bytes = m * lin.n * 4 if not gated else m * lin.n // 2 * 2
         reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else []) + ws
         writes = [(out, out_bytes)] + ws
-        h = self.spec.hidden
-        norm_args = [ptr(None)] * 4
-        if norm is not None:           # the writer: fp16(x * w) into hb and its tiles' sums of squares
-            assert mode == 1, "the norm's partial sums follow a residual add"
-            norm_args = [ptr(norm), ptr("hb"), ptr("norm_part"), ptr(None)]
-            reads += [(norm, h * 4)]
-            writes += [("hb", m * h * 2), ("norm_part", m * (h // WQ_ROWS) * 4)]
-        elif scale:                    # the reader: its rows scaled by 1 / rms from those sums
-            norm_args = [ptr(None), ptr(None), ptr(None), ptr("norm_part")]
-            reads += [("norm_part", m * (h // WQ_ROWS) * 4)]
+        if norm is not None:
+            assert mode == 1, "the norm tail follows a residual add"
+            h = self.spec.hidden
+            norm_args = [ptr(norm), ptr("hb"), ptr("norm_count")]
+            reads += [(norm, h * 4), ("norm_count", 8)]
+            writes += [("hb", m * h * 2), ("norm_count", 8)]
+        else:
+            norm_args = [ptr(None)] * 3
         kern = f"gemm_wq{nb}"
         self.kernel_smem[kern] = wq_smem_bytes(nb)
         rows_a = self.buffers[a].bytes // (lin.k * 2)
@@ -312,12 +313,12 @@ class LinearLaunches:
               [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
 
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
-               nb: int = 0, norm: str | None = None, scale: bool = False) -> None:
+               nb: int = 0, norm: str | None = None) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
         GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
         if self.wq_ok(lin):
-            return self.linear_wq(e, a, lin, out, rows, mode, norm, scale)
-        assert norm is None and not scale, "only gemm_wq norms in its epilogues"
+            return self.linear_wq(e, a, lin, out, rows, mode, norm)
+        assert norm is None, "only gemm_wq norms in its tail"
         if self.wg_layers and lin.name.startswith("layers."):
             return self.linear_wgmma(e, a, lin, out, rows, mode)
         m = ev(rows, self.rows_max, self.MB)

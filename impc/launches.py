@@ -41,8 +41,8 @@ class ProgramOptions:
                                       # 64) or mma.sync (mma; always used elsewhere)
     rope_in_attention: bool = False   # decode phases: the attention computes q/k norm and RoPE of its rows and appends
                                       # the new key and value itself (attn_decode_rope_*), no qkv_rope launch
-    norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in the epilogues of their
-                                      # launch and the next (launch_linear.py wq_norm_tail_ok)
+    norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
+                                      # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than rows
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
                                       # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
                                       # per-tile one for every row count)
@@ -201,7 +201,7 @@ class ProgramBuilder(LinearLaunches):
             else:
                 if not normed:
                     self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
-                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scale=normed)
+                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
             if not rope_in_attention:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
@@ -232,7 +232,7 @@ class ProgramBuilder(LinearLaunches):
             elif self.wq_ok(gate_up):
                 if not normed:
                     self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
-                self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)], scale=normed)
+                self.linear_wq(e, "hb", gate_up, "ab", rows, {XF_F16: 2, XF_BF16: 3, XF_F16W: 4}[fmt(down)])
             elif self.gated_wgmma(gate_up):
                 self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 self.linear_wgmma(e, "hb", gate_up, "ab", rows, 2 if gfmt(down.fmt) == XF_F16 else 3)
@@ -440,7 +440,7 @@ class ProgramBuilder(LinearLaunches):
         # decode attention's per-(sequence, kv head) block counters start at 0 (each launch leaves them at 0)
         n = self.buffers["attn_counts"].shape[0] * self.buffers["attn_counts"].shape[1]
         e.add("fill_f32", (1,), (256,), [ptr("attn_counts"), {"u64": n}, {"f32": 0.0}], [], [("attn_counts", n * 4)])
-        for name in ("wg_flags",):       # split-K turn flags start at 0
+        for name in ("wg_flags", "norm_count"):    # split-K turn flags and the norm tail's counts start at 0
             if name in self.buffers:
                 n = self.buffers[name].shape[0]
                 e.add("fill_f32", (1,), (256,), [ptr(name), {"u64": n}, {"f32": 0.0}], [], [(name, n * 4)])

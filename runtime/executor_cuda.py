@@ -51,6 +51,15 @@ class _Launched:
     chunk_head: list[bool] = field(default_factory=list)     # chunks whose last row the step's head took
 
 
+def norm_tail_rows(program) -> int:
+    """The most rows a launch of the program norms in gemm_wq's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail:
+    the last blocks to finish, one a row, wait for the others, so the GPU must hold one more block than rows at
+    once: a block an SM), or 0 where none does."""
+    rows = [ph.tokens for ph in program.phases for x in ph.launches
+            if x.kernel.startswith("gemm_wq") and len(x.args) > 14 and x.args[14].get("ptr") is not None]
+    return max(rows, default=0)
+
+
 class CudaExecutor:
     name = "cuda"
     async_decode = True                 # decode_submit returns once the step is queued
@@ -76,6 +85,12 @@ class CudaExecutor:
                               f"targets present: {', '.join(present) or 'none (a cpu-only bundle)'}; rebuild with "
                               f"`impc compile ... --target {self.target}` or run with --device cpu")
         self.program = p = bundle.program(self.target)
+        sms = check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev))
+        need = norm_tail_rows(p)
+        if need and sms <= need:
+            raise BundleError(f"{bundle.path}: its decode GEMM norms a row a block once all its blocks have finished "
+                              f"(the norm tail), at up to {need} rows: that needs more than {need} SMs, and this GPU "
+                              f"({self.gpu_name}) has {sms}; rebuild with `impc compile ... --no-norm-tail`")
         c = p.constants
         self.page_size, self.num_pages, self.max_pages = c["page_size"], c["kv_pages"], c["max_pages"]
         self.max_batch, self.max_context, self.prefill_chunk = c["max_batch"], c["max_context"], c["prefill_chunk"]
