@@ -259,7 +259,8 @@ class LinearLaunches:
 
     def wq_norm_tail_ok(self, writer: _Lin, reader: _Lin) -> bool:
         """The RMSNorm between a gemm_wq launch adding into x (o, down) and the gemm_wq launch reading its result
-        (gate_up, the next layer's qkv) in the writer's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): the
+        (gate_up, the next layer's qkv) in the writer's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail; gemm_wq
+        runs only where the one-row GEMV, whose prologue may norm instead, does not: norm_fused never applies): the
         hidden size in whole 256s whose float32 row fits the raw ring, and a block of the grid for every row (the
         norming blocks wait for the rest: a GPU with no more SMs than rows would hang, so the runtime refuses such a
         bundle there: runtime/executor_cuda.py; --no-norm-tail compiles without)."""

@@ -215,7 +215,7 @@ class ProgramBuilder(LinearLaunches):
                 normed = False
             else:
                 # the norm before gate_up in o's tail where both run gemm_wq (wq_norm_tail_ok)
-                normed = self.wq_norm_tail_ok(o, gate_up) and not self.norm_fused(gate_up, dec, nb)
+                normed = self.wq_norm_tail_ok(o, gate_up)
                 self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None)
             if self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
@@ -249,7 +249,7 @@ class ProgramBuilder(LinearLaunches):
             else:
                 # ... and the next layer's norm before qkv in down's tail
                 nxt = self.lin(f"layers.{i + 1}.qkv") if i + 1 < s.n_layers else None
-                normed = nxt is not None and self.wq_norm_tail_ok(down, nxt) and not self.norm_fused(nxt, dec, nb)
+                normed = nxt is not None and self.wq_norm_tail_ok(down, nxt)
                 self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
                             norm=f"layers.{i + 1}.attn_norm" if normed else None)
 

@@ -55,8 +55,7 @@ def norm_tail_rows(program) -> int:
     """The most rows a launch of the program norms in gemm_wq's tail (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail:
     the last blocks to finish, one a row, wait for the others, so the GPU must hold one more block than rows at
     once: a block an SM), or 0 where none does."""
-    rows = [ph.tokens for ph in program.phases for x in ph.launches
-            if x.kernel.startswith("gemm_wq") and len(x.args) > 14 and x.args[14].get("ptr") is not None]
+    rows = [ph.tokens for ph in program.phases for x in ph.launches if any(b == "norm_count" for b, _ in x.writes)]
     return max(rows, default=0)
 
 

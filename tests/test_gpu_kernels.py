@@ -369,7 +369,7 @@ def test_decode_gemm_norm_tail(ex, b, rows):
     layer's qkv: templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): x after the add against the float64 product, the
     normed rows against rms_norm of that x, and bit for bit what rmsnorm_residual (layer 0's attention norm, still a
     launch) writes from the same x and weight; the tail's counts back at 0 for the next launch, twice over."""
-    from imp_runtime.activation_formats import XF_F16W
+    from imp_runtime.activation_formats import XF_F16W, read_activation
     from imp_runtime.executor_cpu import rms_norm
     if ("decode", b) not in ex.phases:
         pytest.skip(f"no decode bucket {b}")
@@ -397,7 +397,7 @@ def test_decode_gemm_norm_tail(ex, b, rows):
         assert dot_rel(xs, ref, a, wref, base) <= TOL
         assert np.array_equal(get(ex, "norm_count", np.int32, 2), [0, 0]), "the tail's counts not reset"
         tail = get(ex, nout, np.uint16, rows * h)
-        assert rel(read_rows(tail, rows, h), rms_norm(xs.astype(np.float64), w, s.norm_eps)) <= TOL
+        assert rel(read_activation(tail, rows, h, XF_F16W), rms_norm(xs.astype(np.float64), w, s.norm_eps)) <= TOL
         put(ex, buf(xn, 0), xs)                # the same x and weight through the norm launch
         put(ex, buf(xn, 2), w)
         poison(ex, nout)
@@ -405,11 +405,6 @@ def test_decode_gemm_norm_tail(ex, b, rows):
         assert np.array_equal(get(ex, nout, np.uint16, rows * h), tail), f"{x.kernel}: not rmsnorm_residual's bits"
         run(ex, "decode", b, i, rows=rows)     # again: the counts it left let it finish and reset them
         assert np.array_equal(get(ex, "norm_count", np.int32, 2), [0, 0])
-
-
-def read_rows(raw, rows: int, k: int) -> np.ndarray:
-    from imp_runtime.activation_formats import XF_F16W, read_activation
-    return read_activation(raw, rows, k, XF_F16W)
 
 
 @pytest.mark.parametrize("b", [1, 3, 8, 16])
