@@ -67,15 +67,17 @@ def _add_compile(sub) -> None:
                    help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 512 rows on the persistent "
                         "ping-pong GEMM, more on the per-tile one; chosen per step by its rows) or tiles (the per-tile "
                         "one always)")
-    p.add_argument("--rope-in-attention", action="store_true",
+    p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
-                        "itself, one launch a layer fewer (experimental, default off: measured no faster than the separate "
-                        "rope kernel)")
+                        "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "
+                        "without q/k norm, where the launch it saves costs more than the work it moves; measured in "
+                        "BENCHMARKS.md)")
     p.add_argument("--norm-tail", action=argparse.BooleanOptionalAction, default=True,
-                   help="Hopper decode batches past the GEMV's rows: the RMSNorm after the o and down projections in "
-                        "the tail of their GEMM, a block a row once all have finished (default on); --no-norm-tail "
-                        "keeps it a launch of its own, for GPUs (MIG slices) with no more SMs than the batch has rows, "
-                        "where the bundle refuses to load otherwise")
+                   help="Hopper decode: the RMSNorm after the o and down projections in the tail of their GEMM past "
+                        "the GEMV's rows (a block a row once all have finished), and as partial sums in the streamed "
+                        "GEMV's epilogues at 1-4 rows (default on); --no-norm-tail keeps it a launch of its own, for "
+                        "GPUs (MIG slices) with no more SMs than the batch has rows, where the bundle refuses to load "
+                        "otherwise")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")

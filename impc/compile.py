@@ -48,7 +48,8 @@ class CompileOptions:
     gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
     prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
-    rope_in_attention: bool = False  # decode: q/k norm, RoPE and the KV append in the attention (impc/launches.py)
+    rope_in_attention: bool | None = None  # decode: q/k norm, RoPE and the KV append in the attention (None: by
+                                           # the shape, impc/launches.py ROPE_IN_ATTENTION_MAX_HEAD_DIM)
     norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
 
     def __post_init__(self):

@@ -16,7 +16,7 @@ from imp_runtime.spec import ModelSpec
 
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
-PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16",
+PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16", "attn_decode_rope_f16",
                "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
 # templates/gemv.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
@@ -314,10 +314,13 @@ class LinearLaunches:
               [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
 
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
-               nb: int = 0, norm: str | None = None) -> None:
+               nb: int = 0, norm: str | None = None, partial_norm: str | None = None, scaled: bool = False) -> None:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
-        GEMM over gfmt(W) activations (split over K with atomics when split_k)."""
+        GEMM over gfmt(W) activations (split over K with atomics when split_k). norm: gemm_wq's norm tail;
+        partial_norm: the ring GEMV adding into x writes the next norm as partial sums with this weight (ring_norm_ok);
+        scaled: the ring GEMV reads such planes and scales its rows by their norm."""
         if self.wq_ok(lin):
+            assert partial_norm is None and not scaled
             return self.linear_wq(e, a, lin, out, rows, mode, norm)
         assert norm is None, "only gemm_wq norms in its tail"
         if self.wg_layers and lin.name.startswith("layers."):
@@ -328,9 +331,15 @@ class LinearLaunches:
         if planes:
             tiles = -(-lin.n // (16 * GV_I8_TILES[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
             kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, tiles)
+            assert kern.startswith("gemv_ring") or (partial_norm is None and not scaled)
+            if partial_norm:
+                reads += [(partial_norm, lin.n * 4)]
+                writes += [("hb", 2 * m * lin.n * 2), ("norm_part", m * lin.n // 16 * 4)]
+            if scaled:
+                reads += [("norm_part", m * lin.k // 16 * 4)]
             e.add(kern, (grid,), (256,),
-                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode)], reads, writes,
-                  smem=smem)
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode),
+                   *self.ring_norm_args(kern, partial_norm, scaled)], reads, writes, smem=smem)
             return
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
         gy = rows_div(rows, GEMM_TILE_M)
@@ -389,6 +398,30 @@ class LinearLaunches:
         kern = "gemv_ring_" + kern[len("gemv_"):]
         self.kernel_smem[kern] = GR_SMEM
         return kern, min(tiles, GR_BLOCKS * self.sm_count), GR_SMEM
+
+    @staticmethod
+    def ring_norm_args(kern: str, partial_norm: str | None, scaled: bool) -> list[dict]:
+        """A streamed GEMV's last four arguments (templates/gemv.cu.j2 GEMV_NORM_PARAMS): the norm weight, the planes
+        and the partial sums it writes (partial_norm: that weight), the partial sums it scales its rows by (scaled)."""
+        if not kern.startswith("gemv_ring"):
+            return []
+        w = [ptr(partial_norm), ptr("hb"), ptr("norm_part")] if partial_norm else [ptr(None)] * 3
+        return w + [ptr("norm_part" if scaled else None)]
+
+    def ring_norm_ok(self, writer: _Lin, reader: _Lin, dec: bool, nb: int) -> bool:
+        """The RMSNorm between the decode GEMV adding into x (o, down) and the one reading its norm (gate_up, the
+        next layer's qkv) as partial sums (templates/gemv.cu.j2 gemv_ring_body): both on the streamed GEMV (Hopper,
+        NVFP4 x planes), the writer's rows and the reader's K the hidden size. The same at every GEMV batch size, so
+        that they all round alike (batch invariance): every GEMV batch on the streamed GEMV (no more GEMV rows than
+        GR_NB's largest) and the one-row reader's norm not fused in a per-block GEMV's prologue (small shapes:
+        norm_fused, whose bits equal the norm launch's, not these). One norm launch fewer each: 71 of the 8B's 73 a
+        step at 1-4 rows (BENCHMARKS.md, twenty-third session)."""
+        h = self.spec.hidden
+        gated = reader.name.endswith(".gate_up")
+        return (dec and self.opt.norm_tail and writer.n == h and reader.k == h and h % 256 == 0
+                and self.gemv_rows <= max(GR_NB) and nb in GR_NB
+                and self.ring_ok(writer, 1) and self.ring_ok(reader, 1, gated=gated)
+                and not self.norm_fused(reader, True, 1))
 
     def norm_fused(self, lin: _Lin, dec: bool, nb: int) -> bool:
         """Batch-1 decode of an NVFP4 projection of the normed residual: the GEMV computes the RMSNorm in its

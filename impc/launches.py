@@ -9,7 +9,7 @@ tests take their launches from here too, so a grid or an argument list exists in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
                                attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
@@ -39,10 +39,12 @@ class ProgramOptions:
                                     # (per-sequence token counts on the device); off: the host samples such rows
     prefill_attention: str = "wgmma"  # Hopper prefill attention: warpgroup MMA (wgmma, head dims that are multiples of
                                       # 64) or mma.sync (mma; always used elsewhere)
-    rope_in_attention: bool = False   # decode phases: the attention computes q/k norm and RoPE of its rows and appends
-                                      # the new key and value itself (attn_decode_rope_*), no qkv_rope launch
+    rope_in_attention: bool | None = None  # decode phases: the attention computes q/k norm and RoPE of its rows and
+                                           # appends the new key and value itself (attn_decode_rope_*), no qkv_rope
+                                           # launch; None: by the shape (rope_in_attention below)
     norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
-                                      # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than rows
+                                      # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than
+                                      # rows; on the streamed GEMV (1-4 rows) as partial sums (ring_norm_ok)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
                                       # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
                                       # per-tile one for every row count)
@@ -74,11 +76,27 @@ def prefill_attention_wgmma(spec: ModelSpec, target: dict, options: ProgramOptio
     return fa_wg_geometry(spec.head_dim, target) if options.prefill_attention == "wgmma" else None
 
 
+# --rope-in-attention's default: on for head dims up to this without q/k norm. Every block of a (sequence, kv head)
+# repeats its group's q rope (and q norm) before walking its keys, so the work it moves into the attention grows with
+# the head dim and the norm, while the launch it saves is ~1.5 us whatever the shape. Measured on the H200
+# (BENCHMARKS.md, twenty-third session; the attention launched under PDL): the SmolLM2 shape (head dim 64, no q/k
+# norm) b1 +3.5%, b8 +2.2%; the Qwen3 shapes (128, q/k norm) lost: 0.6B b1 -6.6%, b8 -5.3%; 8B b1 -3.6%, b8 -1.2%
+ROPE_IN_ATTENTION_MAX_HEAD_DIM = 64
+
+
+def resolve_options(spec: ModelSpec, options: ProgramOptions) -> ProgramOptions:
+    """options with the choices left to the shape (None) made."""
+    if options.rope_in_attention is None:
+        options = replace(options, rope_in_attention=spec.head_dim <= ROPE_IN_ATTENTION_MAX_HEAD_DIM
+                          and not spec.qk_norm)
+    return options
+
+
 def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions) -> frozenset[str]:
     """Kernels no program of this shape, target and options launches, whatever formats the byte budget picks
     (emit leaves them out of the cubin; the program is validated against the cubin all the same)."""
     out = {"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else set()
-    if not options.rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
+    if not resolve_options(spec, options).rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
         out |= {"attn_decode_rope_f16"}
         if attn_decode_geometry(spec, target)["smem3"]:
             out.add("attn_decode_rope_f16_r3")
@@ -113,6 +131,7 @@ def fa_geometry(head_dim: int, smem_limit: int) -> tuple[int, int, int]:
 class ProgramBuilder(LinearLaunches):
     def __init__(self, spec: ModelSpec, formats: dict[str, str], target: dict, plan: dict,
                  options: ProgramOptions, synthetic_seed: int | None = None):
+        options = resolve_options(spec, options)
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
         self.gemv_rows = options.gemv_max_rows
         self.seed = synthetic_seed
@@ -193,15 +212,16 @@ class ProgramBuilder(LinearLaunches):
         def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
             return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
         normed = False           # hb holds this layer's attention norm (the previous down launch's tail)
+        scaled = False           # ... or x * w, its partial sums in norm_part (the previous down GEMV: ring_norm_ok)
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
             if self.norm_fused(qkv, dec, nb):
                 self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
             else:
-                if not normed:
+                if not (normed or scaled):
                     self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
-                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb)
+                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled)
             if not rope_in_attention:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
@@ -212,23 +232,28 @@ class ProgramBuilder(LinearLaunches):
             if s.sandwich_norm:
                 self.linear(e, "attn", o, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
-                normed = False
+                normed = scaled = False
             else:
-                # the norm before gate_up in o's tail where both run gemm_wq (wq_norm_tail_ok)
+                # the norm before gate_up in o's tail where both run gemm_wq (wq_norm_tail_ok), or as partial sums
+                # where both run the ring GEMV (ring_norm_ok)
                 normed = self.wq_norm_tail_ok(o, gate_up)
-                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None)
+                scaled = self.ring_norm_ok(o, gate_up, dec, nb)
+                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None,
+                            partial_norm=p + "ffn_norm" if scaled else None)
             if self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
             elif dec:
-                self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
+                if not scaled:
+                    self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
                 ofmt = xfmt(down.fmt)
                 kern, grid, smem = self.gemv_launch(f"gemv_gated_{gate_up.fmt}_nb{nb}", gate_up, nb,
                                                     (gate_up.n // 2 + 15) // 16)
                 e.add(kern, (grid,), (256,),
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
-                       i32(ofmt)],
-                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)], [("ab", 2 * m * s.intermediate * 2)],
-                      smem=smem)
+                       i32(ofmt), *self.ring_norm_args(kern, None, scaled)],
+                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)]
+                      + ([("norm_part", m * gate_up.k // 16 * 4)] if scaled else []),
+                      [("ab", 2 * m * s.intermediate * 2)], smem=smem)
             elif self.wq_ok(gate_up):
                 if not normed:
                     self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
@@ -245,13 +270,15 @@ class ProgramBuilder(LinearLaunches):
             if s.sandwich_norm:
                 self.linear(e, "ab", down, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_ffn_norm", rows)
-                normed = False
+                normed = scaled = False
             else:
                 # ... and the next layer's norm before qkv in down's tail
                 nxt = self.lin(f"layers.{i + 1}.qkv") if i + 1 < s.n_layers else None
                 normed = nxt is not None and self.wq_norm_tail_ok(down, nxt)
+                scaled = nxt is not None and self.ring_norm_ok(down, nxt, dec, nb)
                 self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
-                            norm=f"layers.{i + 1}.attn_norm" if normed else None)
+                            norm=f"layers.{i + 1}.attn_norm" if normed else None,
+                            partial_norm=f"layers.{i + 1}.attn_norm" if scaled else None)
 
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
@@ -339,10 +366,10 @@ class ProgramBuilder(LinearLaunches):
             # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the
             # session before (BENCHMARKS, "Decode attention in one launch"). The NVFP4 decode GEMM past the GEMV's
             # rows keeps it: its weights stream in before its grid-dependency wait (BENCHMARKS, eleventh session).
-            # So does one row's o on the streamed GEMV (its ring fills during the attention: b1 +2-3%; at 2-4 rows,
-            # -3%: BENCHMARKS, thirteenth session).
-            o_ring = b == 1 and dec and self.ring_ok(self.lin(f"layers.{i}.o"), nb)
-            e.no_pdl_next = not o_ring and (dec or not self.wq)
+            # So does one row's o (on the streamed GEMV its ring fills during the attention: b1 +2-3%, at 2-4 rows
+            # -3%: BENCHMARKS, thirteenth session; on the per-block GEMV, the SmolLM2 shape, b1 +5.6%: twenty-third
+            # session).
+            e.no_pdl_next = b > 1 and (dec or not self.wq)
 
         self.layers(e, b, attention, dec, nb, split_k=True, rope_in_attention=rope)
         self.head(e, b, dec, nb, split_k=True)

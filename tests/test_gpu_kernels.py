@@ -247,7 +247,7 @@ def check_gated(ex, phase, tokens, index, m, rng, env, a_name, out, n, k, mode, 
 def check_product(ex, phase, tokens, index, x, m, rng, env, a_name, out, n, k, mode, afmt, tol, wref) -> None:
     a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30, (1, k))).astype(np.float32)
     a = put_activation(ex, a_name, a, afmt)
-    ref = a.astype(np.float64) @ wref.T.astype(np.float64)
+    ref = (a.astype(np.float64) @ wref.T.astype(np.float64)) * ring_norm_scale(ex, x, m, k, rng)
     base = rng.standard_normal((m, n)).astype(np.float32)
     prev = ex.program.phase(phase, tokens).launches[index - 1]
     zeroed = prev.kernel == "fill_f32" and buf(prev, 0) == out     # atomic split-K of a store: zeroed first
@@ -425,10 +425,22 @@ def test_decode_gemv_gated(ex, b):
     wref = random_weights(ex, x, list(range(1, 1 + nw)), n, k, rng)
     a = (rng.standard_normal((bucket, k)) * 0.3).astype(np.float32)
     put_activation(ex, buf(x, 0), a, xfmt(fmt))
+    sc = ring_norm_scale(ex, x, bucket, k, rng)
     poison(ex, buf(x, 1 + nw))
     run(ex, "decode", bucket, i)
-    ref = gated_act((a.astype(np.float64) @ wref.T.astype(np.float64)), ex.spec.activation)
+    ref = gated_act((a.astype(np.float64) @ wref.T.astype(np.float64)) * sc, ex.spec.activation)
     assert rel(activation(ex, buf(x, 1 + nw), bucket, n // 2, ofmt), ref) <= TOL_F32
+
+
+def ring_norm_scale(ex, x, rows: int, k: int, rng) -> np.ndarray:
+    """A ring GEMV that scales its rows by the norm's partial sums (its last argument, templates/gemv.cu.j2
+    gemv_ring_body): random partials written there and each row's float64 scale 1 / sqrt(sum / K + eps) [rows, 1];
+    ones for any other launch."""
+    if not (x.kernel.startswith("gemv_ring") and buf(x, len(x.args) - 1)):
+        return np.ones((rows, 1))
+    part = rng.uniform(0.2, 5.0, (rows, k // 16)).astype(np.float32)
+    put(ex, buf(x, len(x.args) - 1), part)
+    return 1.0 / np.sqrt(part.astype(np.float64).sum(axis=1, keepdims=True) / k + ex.spec.norm_eps)
 
 
 @pytest.fixture(scope="module")
@@ -454,6 +466,61 @@ def test_decode_gemv_8b_shape(ex8b, b):
     assert expect <= kernels
     test_decode_gemv(ex8b, b)
     test_decode_gemv_gated(ex8b, b)
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_decode_gemv_norm_partials(ex8b, b):
+    """The RMSNorm between two streamed decode GEMVs as partial sums (templates/gemv.cu.j2 gemv_ring_body): o and
+    down, adding into x, also write the planes of x * w bit for bit as every XF_F16X2 writer rounds them (from the x
+    they stored and the norm weight) and each 16-row tile's sum of squares of that x; gate_up and the next layer's
+    qkv, reading those planes, scale their rows by 1 / sqrt(sum of the partials / K + eps): against float64
+    rms_norm(x, w) @ W^T (act(gate) * up for gate_up). No norm launch between them."""
+    from imp_runtime.activation_formats import XF_F16X2, to_planes, xfmt
+    from imp_runtime.executor_cpu import gated_act, rms_norm
+    ex, s = ex8b, ex8b.spec
+    launches = ex.program.phase("decode", b).launches
+    ring = [(i, x) for i, x in enumerate(launches)
+            if x.kernel.startswith("gemv_ring") and buf(x, 1).startswith("layers.")]
+    writers = [(j, (i, x)) for j, (i, x) in enumerate(ring) if buf(x, len(x.args) - 4)]
+    assert len(writers) == 2 * s.n_layers - 1, "o of every layer and down of all but the last"
+    assert not any(x.kernel == "rmsnorm_residual" for x in launches[ring[0][0] + 1:ring[-1][0]]), \
+        "a norm launch between the layers' GEMVs"
+    rng, h = np.random.default_rng(120 + b), s.hidden
+    for j, (i, x) in writers[:2]:              # layer 0's o (gate_up reads it) and down (layer 1's qkv)
+        ir, xr = ring[j + 1]
+        assert buf(xr, len(xr.args) - 1) == "norm_part" and buf(xr, 0) == buf(x, len(x.args) - 3)
+        a_name, out, n, k = buf(x, 0), buf(x, 4), scalar(x, 5), scalar(x, 6)
+        assert n == h and scalar(x, 8) == 1
+        wref = random_weights(ex, x, [1, 2, 3], n, k, rng)
+        a = put_activation(ex, a_name, (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2)
+        base = (rng.standard_normal((b, n)) * 3).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, h).astype(np.float32)
+        put(ex, out, base)
+        put(ex, buf(x, len(x.args) - 4), w)
+        poison(ex, "hb")
+        poison(ex, "norm_part")
+        run(ex, "decode", b, i)
+        xs = get(ex, out, np.float32, b * n).reshape(b, n)
+        assert dot_rel(xs, a.astype(np.float64) @ wref.T.astype(np.float64) + base, a, wref, base) <= TOL_F32
+        planes = get(ex, "hb", np.uint16, 2 * b * h).reshape(2 * b, h)
+        assert np.array_equal(planes, to_planes(xs * w, XF_F16X2)), "x * w planes: not the XF_F16X2 rounding"
+        part = get(ex, "norm_part", np.float32, b * h // 16).reshape(b, h // 16)
+        want = (xs.astype(np.float64) ** 2).reshape(b, h // 16, 16).sum(axis=2)
+        assert np.allclose(part, want, rtol=1e-5, atol=0), "the tiles' sums of squares"
+        # the reader, from what the writer left
+        gated = "_gated_" in xr.kernel
+        nr, kr = scalar(xr, 5), scalar(xr, 6)
+        wr = random_weights(ex, xr, [1, 2, 3], nr, kr, rng)
+        poison(ex, buf(xr, 4))
+        run(ex, "decode", b, ir)
+        prod = rms_norm(xs.astype(np.float64), w.astype(np.float64), s.norm_eps) @ wr.T.astype(np.float64)
+        if gated:
+            ofmt = scalar(xr, 8)
+            got, ref = activation(ex, buf(xr, 4), b, nr // 2, ofmt), gated_act(prod, s.activation)
+            assert ofmt == xfmt("nvfp4")
+        else:
+            got, ref = get(ex, buf(xr, 4), np.float32, b * nr).reshape(b, nr), prod
+        assert rel(got, ref) <= TOL_F32, f"{xr.kernel}: its rows not scaled by the norm"
 
 
 def test_decode_gemv_norm(ex):

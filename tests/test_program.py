@@ -131,11 +131,14 @@ def test_inspect_program_counts(gpu_bundle_dir):
         {("decode", n) for n in (1, 2, 4, 8, 16)} | {("prefill", b.manifest["plan"]["targets"]["sm_90a"]["prefill_chunk"]),
                                                     ("prefill", 128)}   # Hopper: the split-K phase of one row tile
     dec1 = next(k for k in d["buckets"] if k["phase"] == "decode" and k["tokens"] == 1)
-    # embed; per layer qkv (its RMSNorm fused at batch 1), rope+cache, attention (its split merge fused), o,
-    # gate_up (+norm, +act), down; head norm, head, sample (with the GPU penalties, the default: apply_penalties
-    # before it, count_sampled after)
-    pen = 2 if program_of(gpu_bundle_dir).options["gpu_penalties"] else 0
-    assert len(dec1["launches"]) == 1 + 6 * s.n_layers + 3 + pen
+    # embed; per layer qkv (its RMSNorm fused at batch 1), rope+cache (unless the attention does it: the default
+    # for head dims up to 64 without q/k norm), attention (its split merge fused), o, gate_up (+norm, +act), down; head norm, head, sample
+    # (with the GPU penalties, the default: apply_penalties before it, count_sampled after)
+    opts = program_of(gpu_bundle_dir).options
+    pen = 2 if opts["gpu_penalties"] else 0
+    assert opts["rope_in_attention"] == (s.head_dim <= 64 and not s.qk_norm)
+    per_layer = 5 if opts["rope_in_attention"] else 6
+    assert len(dec1["launches"]) == 1 + per_layer * s.n_layers + 3 + pen
     assert all(set(x) == {"kernel", "grid", "block", "smem", "reads", "writes"} for x in dec1["launches"])
     # the GEMVs read each layer's NVFP4 weights once: codes K/2 + scales K/16 bytes per row, 4 for tscale
     lin = sum(n * k // 2 + n * k // 16 + 4 for n, k in s.linear_shapes().values()) * s.n_layers
@@ -385,8 +388,9 @@ def test_rope_in_attention_program():
     """--rope-in-attention: every decode bucket launches no qkv_rope_cache_f16; each layer's decode attention is
     attn_decode_rope_* reading the qkv rows, the layer's bias / norm weights / inverse frequencies, positions and
     KV slots, and writing the layer's K and V pools, with the group's q (4 heads x 128 x 2 bytes) on top of the
-    plain kernel's shared memory. Prefill phases keep qkv_rope_cache_f16 (their decode rows too). Off by default:
-    the plain kernels, and the rope kernels left out of the cubin."""
+    plain kernel's shared memory, and launched under programmatic dependent launch like the plain one (it copies the
+    cached keys before its grid-dependency wait). Prefill phases keep qkv_rope_cache_f16 (their decode rows too). Off
+    by default for this shape (head dim 128, q/k norm): the plain kernels, and the rope kernels left out of the cubin."""
     from impc.launches import ProgramOptions, attn_decode_geometry, build_program, kernels_not_launched
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -407,6 +411,7 @@ def test_rope_in_attention_program():
                 assert len(attn) == spec.n_layers
                 assert ("qkv_rope_cache_f16" in kernels) != fused
                 assert all(x.kernel.startswith("attn_decode_rope_f16") == fused for x in attn)
+                assert all(x.pdl for x in attn)
                 if fused:
                     x = attn[3]
                     # templates/attn_decode.cu.j2 AD_ROPE_PARAMS
@@ -424,15 +429,34 @@ def test_rope_in_attention_program():
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
 
 
+def test_rope_in_attention_default_by_shape():
+    """--rope-in-attention left to the shape: on for head dims up to 64 without q/k norm (the SmolLM2 shape measured
+    faster with it), off for the Qwen3 shapes (head dim 128 and q/k norm, measured slower), and an explicit choice
+    kept either way."""
+    from dataclasses import replace as dc_replace
+
+    from impc.launches import ProgramOptions, resolve_options
+    from tests.test_templates_compile import SHAPES
+    q8 = SHAPES["qwen3-8b"]
+    small = dc_replace(q8, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False)
+    assert resolve_options(small, ProgramOptions()).rope_in_attention is True
+    assert resolve_options(q8, ProgramOptions()).rope_in_attention is False
+    assert resolve_options(dc_replace(small, qk_norm=True), ProgramOptions()).rope_in_attention is False
+    assert resolve_options(dc_replace(small, head_dim=128), ProgramOptions()).rope_in_attention is False
+    assert resolve_options(small, ProgramOptions(rope_in_attention=False)).rope_in_attention is False
+    assert resolve_options(q8, ProgramOptions(rope_in_attention=True)).rope_in_attention is True
+
+
 def test_norm_in_the_decode_gemm_tail_program():
     """Decode batches on the NVFP4 decode GEMM (Hopper, past the GEMV's rows): the RMSNorm before gate_up runs in the
     tail of the o launch, the next layer's before qkv in the down launch's (templates/gemm_wgmma_nvfp4.cu.j2
     wq_norm_tail), each with that norm's weight, into hb, and the blocks' counts; only layer 0's norm (after the
-    embedding) and the final one stay launches. The GEMV's batches keep their launches (a norm in the one-row GEMV's
-    tail, by the last block to finish, was 5% slower at batch 1: BENCHMARKS.md, twenty-second session), and so does a
-    shape whose
-    o / down grid has fewer blocks than the batch has rows (each norming block takes one row): at hidden 1024, o runs
-    16 tiles of 64 rows in one K split (16 blocks), down (K 3072) in three (48 blocks)."""
+    embedding) and the final one stay launches. The GEMV's batches (1-4 rows on the streamed GEMV) carry the same
+    norms as partial sums (templates/gemv.cu.j2 gemv_ring_body: o and down write x * w into hb and their tiles' sums
+    of squares into norm_part with that norm's weight; gate_up and the next layer's qkv read norm_part). A shape whose
+    o / down grid has fewer blocks than the batch has rows keeps the norm launches past the GEMV (each norming block
+    takes one row): at hidden 1024, o runs 16 tiles of 64 rows in one K split (16 blocks), down (K 3072) in three
+    (48 blocks)."""
     from imp_runtime.spec import ModelSpec
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
@@ -448,10 +472,20 @@ def test_norm_in_the_decode_gemm_tail_program():
             continue
         norms = [x for x in ph.launches if x.kernel == "rmsnorm_residual"]
         wq = [x for x in ph.launches if x.kernel.startswith("gemm_wq") and x.args[9] == {"i32": 1}]
-        if ph.tokens <= gemv_rows:
-            assert len(norms) == 2 * spec.n_layers + 1 and not wq
-            continue
         assert [x.args[2]["ptr"] for x in norms] == ["layers.0.attn_norm", "final_norm"]
+        if ph.tokens <= gemv_rows:
+            assert not wq
+            ring = [x for x in ph.launches if x.kernel.startswith("gemv_ring") and x.args[1]["ptr"].startswith("layers.")]
+            assert len(ring) == 4 * spec.n_layers
+            writers, readers = ring[1::2], ring[0::2]       # o, down; qkv, gate_up
+            want = [w for i in range(spec.n_layers) for w in (f"layers.{i}.ffn_norm", f"layers.{i + 1}.attn_norm")]
+            assert [x.args[-4].get("ptr") for x in writers] == want[:-1] + [None]
+            assert all(x.args[-3:-1] == ({"ptr": "hb"}, {"ptr": "norm_part"}) for x in writers[:-1])
+            assert all(x.args[-1] == {"ptr": None} for x in writers)
+            assert [x.args[-1].get("ptr") for x in readers] == [None] + ["norm_part"] * (2 * spec.n_layers - 1)
+            assert all(x.args[-4:-1] == ({"ptr": None},) * 3 for x in readers)
+            assert ("norm_part", ph.tokens * spec.hidden // 16 * 4) in writers[0].writes
+            continue
         want = [w for i in range(spec.n_layers) for w in (f"layers.{i}.ffn_norm", f"layers.{i + 1}.attn_norm")][:-1]
         assert [x.args[14].get("ptr") for x in wq] == want + [None]
         assert all(x.args[15:] == ({"ptr": "hb"}, {"ptr": "norm_count"}) for x in wq[:-1])
@@ -464,6 +498,7 @@ def test_norm_in_the_decode_gemm_tail_program():
     off = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(norm_tail=False), None)
     assert norm_tail_rows(off) == 0 and off.options["norm_tail"] is False
     assert sum(x.kernel == "rmsnorm_residual" for x in off.phase("decode", 8).launches) == 2 * spec.n_layers + 1
+    assert sum(x.kernel == "rmsnorm_residual" for x in off.phase("decode", 1).launches) == 2 * spec.n_layers + 1
     narrow = ModelSpec(family="qwen3", vocab_size=32000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8,
                        head_dim=64, intermediate=3072, norm_eps=1e-6, rope_theta=1e6, max_position=4096, qk_norm=True)
     f = default_formats(narrow)
@@ -471,3 +506,35 @@ def test_norm_in_the_decode_gemm_tail_program():
     counts = {ph.tokens: sum(x.kernel == "rmsnorm_residual" for x in ph.launches)
               for ph in prog.phases if ph.phase == "decode"}
     assert (counts[16], counts[32], counts[64]) == (2, 4, 5), counts      # 32 rows: layer 0's down norms layer 1
+
+
+def test_o_after_decode_attention_pdl():
+    """The o projection after the decode attention: under programmatic dependent launch at one row (the streamed GEMV
+    fills its ring during the attention; the per-block GEMV of small shapes starts beside it: measured faster for
+    both), not at 2..GEMV rows (its blocks waited beside the attention's merging blocks: measured slower), and again
+    on the NVFP4 decode GEMM past them (its weights stream in before its wait; the fp16-copy GEMM of shapes it does
+    not take has no grid-dependency wait)."""
+    from dataclasses import replace as dc_replace
+
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    t = load_target("sm_90a")
+    q8 = SHAPES["qwen3-8b"]
+    small = dc_replace(q8, hidden=576, intermediate=1536, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False,
+                       n_layers=4, vocab_size=49152)
+    for spec in (q8, small):
+        formats = default_formats(spec)
+        plan = plan_memory(spec, formats, [t], None, 4096, 64)
+        prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
+        gemv_rows = prog.options["gemv_max_rows"]
+        for ph in prog.phases:
+            if ph.phase != "decode":
+                continue
+            ls = ph.launches
+            after = [ls[i + 1] for i, x in enumerate(ls) if x.kernel.startswith("attn_decode")]
+            assert len(after) == spec.n_layers
+            assert all(x.kernel.startswith(("gemv_", "gemm_")) for x in after), {x.kernel for x in after}
+            want = ph.tokens == 1 or (ph.tokens > gemv_rows and after[0].kernel.startswith("gemm_wq"))
+            assert all(x.pdl == want for x in after), (spec.hidden, ph.tokens, after[0].kernel)

@@ -82,7 +82,11 @@ def test_templates_compile(shape, target):
     from impc.launches import kernels_not_launched
     omit = kernels_not_launched(spec, t, ProgramOptions())
     assert not launched & omit
+    from impc.launches import resolve_options
     rope = {"attn_decode_rope_f16"} | ({"attn_decode_rope_f16_r3"} if target == "sm_90a" else set())
+    if resolve_options(spec, ProgramOptions()).rope_in_attention:      # (the default for tiny-llama's shape)
+        assert rope <= launched | {"attn_decode_rope_f16_r3"}
+        rope = set()
     assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
