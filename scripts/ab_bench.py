@@ -15,13 +15,20 @@ import sys
 
 LINE = re.compile(r"^\s*(decode\s+batch\s+\d+|prefill\s+pp\d+)\b.*?([\d.]+) tok/s")
 SERIAL = re.compile(r"host-serial steps ([\d.]+)")
+# the bench's closing line: batch 1's weight bandwidth next to the copy bandwidth measured in the same run
+BANDWIDTH = re.compile(r"weight bandwidth ([\d.]+) TB/s = \d+% of the measured copy bandwidth ([\d.]+) TB/s")
 
 
 def parse_bench(text: str) -> dict[str, float]:
     """tok/s by measurement ('decode batch 1', 'decode batch 1 host-serial', 'prefill pp512') from `impc bench`
-    output."""
+    output; where batch 1 ran, its weight bandwidth and the run's copy bandwidth (TB/s), so an A/B's figures come
+    with the bandwidth measured beside them."""
     out = {}
     for line in text.splitlines():
+        bw = BANDWIDTH.search(line)
+        if bw:
+            out["b1 weights TB/s"], out["copy TB/s"] = float(bw.group(1)), float(bw.group(2))
+            continue
         m = LINE.match(line)
         if m:
             name = " ".join(m.group(1).split())
@@ -66,10 +73,11 @@ def main() -> int:
             got = parse_bench(p.stdout)
             rounds[tag].append(got)
             print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
-    print(f"\nA = {x.a}\nB = {x.b}\n{x.rounds} alternating rounds, medians (tok/s):")
+    print(f"\nA = {x.a}\nB = {x.b}\n{x.rounds} alternating rounds, medians (tok/s; bandwidths TB/s):")
     print(f"  {'measurement':18s} {'A':>10s} {'B':>10s} {'B vs A':>8s} {'A spread':>9s} {'B spread':>9s}")
     for n, ma, mb, d, sa, sb in summarize(rounds):
-        print(f"  {n:18s} {ma:10.1f} {mb:10.1f} {100 * d:+7.1f}% {100 * sa:8.1f}% {100 * sb:8.1f}%")
+        digits = 2 if n.endswith("TB/s") else 1
+        print(f"  {n:18s} {ma:10.{digits}f} {mb:10.{digits}f} {100 * d:+7.1f}% {100 * sa:8.1f}% {100 * sb:8.1f}%")
     return 0
 
 

@@ -15,7 +15,8 @@ BENCH = """qwen3-8b: synthetic
 
 def test_parse_bench():
     from scripts.ab_bench import parse_bench
-    assert parse_bench(BENCH) == {"decode batch 1": 383.7, "decode batch 2": 720.4, "prefill pp512": 36299.0}
+    assert parse_bench(BENCH) == {"decode batch 1": 383.7, "decode batch 2": 720.4, "prefill pp512": 36299.0,
+                                  "b1 weights TB/s": 1.98, "copy TB/s": 4.22}
 
 
 def test_parse_bench_reads_the_ahead_and_host_serial_figures_of_format_table():
