@@ -169,7 +169,7 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # the norm in the tail of gemm_wq adding into x (templates/gemm_wgmma_nvfp4.cu.j2 wq_norm_tail): its blocks done,
     # and its norming blocks that saw them done
     out.append(("norm_count", "scratch", "i32", (2,), 8, None))
-    # the norm as partial sums between two decode ring GEMVs (templates/gemv.cu.j2 gemv_ring_body): each 16-row tile's
+    # the norm as partial sums between two decode ring GEMVs (templates/gemv_ring.cu.j2 gemv_ring_body): each 16-row tile's
     # sum of squares of the new x, a row of them for each of up to 4 batch rows (GR_NB)
     n = 4 * (spec.hidden // 16)
     out.append(("norm_part", "scratch", "f32", (n,), n * 4, None))

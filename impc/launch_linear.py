@@ -18,7 +18,7 @@ from imp_runtime.spec import ModelSpec
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16", "attn_decode_rope_f16",
                "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
-# templates/gemv.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
+# templates/gemv_ring.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
 GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid)
 GR_RESIDENT = 2                                # the blocks an SM its registers are sized for (launch bounds); 3 over a
@@ -401,7 +401,7 @@ class LinearLaunches:
 
     @staticmethod
     def ring_norm_args(kern: str, partial_norm: str | None, scaled: bool) -> list[dict]:
-        """A streamed GEMV's last four arguments (templates/gemv.cu.j2 GEMV_NORM_PARAMS): the norm weight, the planes
+        """A streamed GEMV's last four arguments (templates/gemv_ring.cu.j2 GEMV_NORM_PARAMS): the norm weight, the planes
         and the partial sums it writes (partial_norm: that weight), the partial sums it scales its rows by (scaled)."""
         if not kern.startswith("gemv_ring"):
             return []
@@ -410,7 +410,7 @@ class LinearLaunches:
 
     def ring_norm_ok(self, writer: _Lin, reader: _Lin, dec: bool, nb: int) -> bool:
         """The RMSNorm between the decode GEMV adding into x (o, down) and the one reading its norm (gate_up, the
-        next layer's qkv) as partial sums (templates/gemv.cu.j2 gemv_ring_body): both on the streamed GEMV (Hopper,
+        next layer's qkv) as partial sums (templates/gemv_ring.cu.j2 gemv_ring_body): both on the streamed GEMV (Hopper,
         NVFP4 x planes), the writer's rows and the reader's K the hidden size. The same at every GEMV batch size, so
         that they all round alike (batch invariance): every GEMV batch on the streamed GEMV (no more GEMV rows than
         GR_NB's largest) and the one-row reader's norm not fused in a per-block GEMV's prologue (small shapes:

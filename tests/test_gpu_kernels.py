@@ -433,7 +433,7 @@ def test_decode_gemv_gated(ex, b):
 
 
 def ring_norm_scale(ex, x, rows: int, k: int, rng) -> np.ndarray:
-    """A ring GEMV that scales its rows by the norm's partial sums (its last argument, templates/gemv.cu.j2
+    """A ring GEMV that scales its rows by the norm's partial sums (its last argument, templates/gemv_ring.cu.j2
     gemv_ring_body): random partials written there and each row's float64 scale 1 / sqrt(sum / K + eps) [rows, 1];
     ones for any other launch."""
     if not (x.kernel.startswith("gemv_ring") and buf(x, len(x.args) - 1)):
@@ -470,7 +470,7 @@ def test_decode_gemv_8b_shape(ex8b, b):
 
 @pytest.mark.parametrize("b", [1, 2, 4])
 def test_decode_gemv_norm_partials(ex8b, b):
-    """The RMSNorm between two streamed decode GEMVs as partial sums (templates/gemv.cu.j2 gemv_ring_body): o and
+    """The RMSNorm between two streamed decode GEMVs as partial sums (templates/gemv_ring.cu.j2 gemv_ring_body): o and
     down, adding into x, also write the planes of x * w bit for bit as every XF_F16X2 writer rounds them (from the x
     they stored and the norm weight) and each 16-row tile's sum of squares of that x; gate_up and the next layer's
     qkv, reading those planes, scale their rows by 1 / sqrt(sum of the partials / K + eps): against float64

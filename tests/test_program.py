@@ -328,7 +328,7 @@ def test_symbol_ranges_gate_a_value_and_the_version_says_so():
 
 
 def test_streamed_gemv_where_whole_stages():
-    """Hopper's decode GEMVs of up to 4 rows take the streamed kernel (templates/gemv.cu.j2 gemv_ring_*) where every
+    """Hopper's decode GEMVs of up to 4 rows take the streamed kernel (templates/gemv_ring.cu.j2 gemv_ring_*) where every
     warp's K range is whole ring stages: 32 k a chunk x 4 chunks a group x 2 groups a stage, over 8 warps (gate_up:
     4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
     8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes; an ungated GEMV of
@@ -452,7 +452,7 @@ def test_norm_in_the_decode_gemm_tail_program():
     tail of the o launch, the next layer's before qkv in the down launch's (templates/gemm_wgmma_nvfp4.cu.j2
     wq_norm_tail), each with that norm's weight, into hb, and the blocks' counts; only layer 0's norm (after the
     embedding) and the final one stay launches. The GEMV's batches (1-4 rows on the streamed GEMV) carry the same
-    norms as partial sums (templates/gemv.cu.j2 gemv_ring_body: o and down write x * w into hb and their tiles' sums
+    norms as partial sums (templates/gemv_ring.cu.j2 gemv_ring_body: o and down write x * w into hb and their tiles' sums
     of squares into norm_part with that norm's weight; gate_up and the next layer's qkv read norm_part). A shape whose
     o / down grid has fewer blocks than the batch has rows keeps the norm launches past the GEMV (each norming block
     takes one row): at hidden 1024, o runs 16 tiles of 64 rows in one K split (16 blocks), down (K 3072) in three
