@@ -331,15 +331,10 @@ class LinearLaunches:
         if planes:
             tiles = -(-lin.n // (16 * GV_I8_TILES[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
             kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, tiles)
-            assert kern.startswith("gemv_ring") or (partial_norm is None and not scaled)
-            if partial_norm:
-                reads += [(partial_norm, lin.n * 4)]
-                writes += [("hb", 2 * m * lin.n * 2), ("norm_part", m * lin.n // 16 * 4)]
-            if scaled:
-                reads += [("norm_part", m * lin.k // 16 * 4)]
+            norm_args, norm_reads, norm_writes = self.ring_norm(kern, lin, m, partial_norm, scaled)
             e.add(kern, (grid,), (256,),
-                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode),
-                   *self.ring_norm_args(kern, partial_norm, scaled)], reads, writes, smem=smem)
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode), *norm_args],
+                  reads + norm_reads, writes + norm_writes, smem=smem)
             return
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
         gy = rows_div(rows, GEMM_TILE_M)
@@ -400,13 +395,21 @@ class LinearLaunches:
         return kern, min(tiles, GR_BLOCKS * self.sm_count), GR_SMEM
 
     @staticmethod
-    def ring_norm_args(kern: str, partial_norm: str | None, scaled: bool) -> list[dict]:
-        """A streamed GEMV's last four arguments (templates/gemv_ring.cu.j2 GEMV_NORM_PARAMS): the norm weight, the planes
-        and the partial sums it writes (partial_norm: that weight), the partial sums it scales its rows by (scaled)."""
+    def ring_norm(kern: str, lin: _Lin, m: int, partial_norm: str | None,
+                  scaled: bool) -> tuple[list[dict], list[tuple[str, int]], list[tuple[str, int]]]:
+        """A decode GEMV's part in the norm as partial sums (ring_norm_ok), for m rows: a streamed GEMV's last four
+        arguments (templates/gemv_ring.cu.j2 GEMV_NORM_PARAMS: the norm weight, the planes and the partial sums it
+        writes where partial_norm names that weight, the partial sums it scales its rows by where scaled), and the
+        bytes they add to its reads and writes; nothing for the other GEMVs."""
         if not kern.startswith("gemv_ring"):
-            return []
-        w = [ptr(partial_norm), ptr("hb"), ptr("norm_part")] if partial_norm else [ptr(None)] * 3
-        return w + [ptr("norm_part" if scaled else None)]
+            assert partial_norm is None and not scaled, kern
+            return [], [], []
+        args = [ptr(partial_norm), ptr("hb"), ptr("norm_part")] if partial_norm else [ptr(None)] * 3
+        reads = [(partial_norm, lin.n * 4)] if partial_norm else []
+        writes = [("hb", 2 * m * lin.n * 2), ("norm_part", m * lin.n // 16 * 4)] if partial_norm else []
+        if scaled:
+            reads.append(("norm_part", m * lin.k // 16 * 4))
+        return args + [ptr("norm_part" if scaled else None)], reads, writes
 
     def ring_norm_ok(self, writer: _Lin, reader: _Lin, dec: bool, nb: int) -> bool:
         """The RMSNorm between the decode GEMV adding into x (o, down) and the one reading its norm (gate_up, the

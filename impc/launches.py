@@ -248,11 +248,11 @@ class ProgramBuilder(LinearLaunches):
                 ofmt = xfmt(down.fmt)
                 kern, grid, smem = self.gemv_launch(f"gemv_gated_{gate_up.fmt}_nb{nb}", gate_up, nb,
                                                     (gate_up.n // 2 + 15) // 16)
+                norm_args, norm_reads, _ = self.ring_norm(kern, gate_up, m, None, scaled)
                 e.add(kern, (grid,), (256,),
                       [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
-                       i32(ofmt), *self.ring_norm_args(kern, None, scaled)],
-                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)]
-                      + ([("norm_part", m * gate_up.k // 16 * 4)] if scaled else []),
+                       i32(ofmt), *norm_args],
+                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)] + norm_reads,
                       [("ab", 2 * m * s.intermediate * 2)], smem=smem)
             elif self.wq_ok(gate_up):
                 if not normed:
