@@ -368,8 +368,13 @@ class ProgramBuilder(LinearLaunches):
             # rows keeps it: its weights stream in before its grid-dependency wait (BENCHMARKS, eleventh session).
             # So does one row's o (on the streamed GEMV its ring fills during the attention: b1 +2-3%, at 2-4 rows
             # -3%: BENCHMARKS, thirteenth session; on the per-block GEMV, the SmolLM2 shape, b1 +5.6%: twenty-third
-            # session).
-            e.no_pdl_next = b > 1 and (dec or not self.wq)
+            # session). On Hopper the per-block GEMV (shapes the streamed one does not take, the SmolLM2 shape) keeps
+            # it at 2-16 rows too: +2.8-3.5% at 2, 4, 8 and 16 rows, where the 8B shape's streamed GEMV lost 1-3%
+            # at 2-4 rows (twenty-fourth session).
+            o = self.lin(f"layers.{i}.o")
+            per_block = (self.target["compute_capability"][0] == 9 and dec and not self.wq_ok(o)
+                         and not self.ring_ok(o, nb))
+            e.no_pdl_next = b > 1 and (dec or not self.wq) and not per_block
 
         self.layers(e, b, attention, dec, nb, split_k=True, rope_in_attention=rope)
         self.head(e, b, dec, nb, split_k=True)
