@@ -64,9 +64,8 @@ def _add_compile(sub) -> None:
                    help="Hopper decode batches past the GEMV's rows: a GEMM reading the NVFP4 weights as stored "
                         "(nvfp4), or the fp16 copies prefill reads (fp16; needs --prefill-weights copy) (default nvfp4)")
     p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles"],
-                   help="Hopper prefill GEMMs of chunks past 256 rows: auto (up to 512 rows on the persistent "
-                        "ping-pong GEMM, more on the per-tile one; chosen per step by its rows) or tiles (the per-tile "
-                        "one always)")
+                   help="Hopper prefill GEMMs of chunks past 256 rows: auto (the persistent ping-pong GEMM) or "
+                        "tiles (one block a 128 x 256 tile)")
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "

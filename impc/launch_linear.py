@@ -42,7 +42,6 @@ GR_STATIC_SMEM = 6144                          # gemv_ring*'s static shared memo
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
-WGP_MAX_ROWS = 512       # Hopper: steps of up to this many rows in the larger phases take the persistent GEMM
 WG_MID_CHUNK = 256       # Hopper: prefill phases of up to this many rows (short chunks, mixed steps: decode rows plus
                          # a short prefill chunk) take the tile width by waves and split their GEMMs over K
 # templates/gemm_wgmma_nvfp4.cu.j2 (rendered from these): a kernel per NB, the activation rows of a block (wgmma's N),
@@ -197,25 +196,18 @@ class LinearLaunches:
         args = [tmap(a, dtype, rows_a, lin.k, WG_TILE_M), None, ptr(out), tscale, {"f32": unscale}, i32(rows),
                 i32(lin.n), i32(lin.k), i32(mode)]
         reads += [(a, m * lin.k * 2)] + ([(out, out_bytes)] if mode == 1 else [])
-        gate = None
-        if self.rows_max > WG_MID_CHUNK and self.opt.prefill_gemm == "auto" and (
-                isinstance(rows, dict) or self.rows_max <= WGP_MAX_ROWS):
-            # a phase past WG_MID_CHUNK rows, at steps of up to WGP_MAX_ROWS rows: the persistent ping-pong GEMM
-            # (128 x 128 tiles, a block an SM: no wave of half-filled SMs, one consumer's epilogue under the other's
-            # main loop); more rows: the per-tile kernel below, faster there (BENCHMARKS.md, eleventh session).
-            # In a phase that takes both, each launch's grid is gated on the step's rows: one of the two runs.
-            both = self.rows_max > WGP_MAX_ROWS
-            tiles = -(-lin.n // 128) * -(-min(self.rows_max, WGP_MAX_ROWS) // WG_TILE_M)
+        if self.rows_max > WG_MID_CHUNK and self.opt.prefill_gemm == "auto":
+            # a phase past WG_MID_CHUNK rows: the persistent ping-pong GEMM at every step (128 x 128 tiles, a block an
+            # SM: no wave of half-filled SMs, one consumer's epilogue under the other's main loop). With its wgmma
+            # descriptors in uniform registers it runs 602-647 TFLOP/s at M = 4096 against the per-tile kernel's
+            # 543-622 (BENCHMARKS.md, twenty-fourth session); before that, the per-tile kernel took steps past 512 rows.
+            tiles = -(-lin.n // 128) * -(-self.rows_max // WG_TILE_M)
             kern = f"gemm_wgp_{dtype}"
             self.kernel_smem[kern] = wg_smem_bytes(128)
             args[1] = tmap(wbuf, dtype, lin.n, lin.k, 128)
-            blocks = min(tiles, self.sm_count)
-            grid = {"sym": rows["sym"], "mul": 0, "add": blocks, "range": [1, WGP_MAX_ROWS]} if both else blocks
-            e.add(kern, (grid,), (WG_THREADS,), args + [ptr(None), ptr(None)], reads, [(out, out_bytes)],
-                  smem=wg_smem_bytes(128))
-            if not both:
-                return
-            gate = [WGP_MAX_ROWS + 1, self.rows_max]
+            e.add(kern, (min(tiles, self.sm_count),), (WG_THREADS,), args + [ptr(None), ptr(None)], reads,
+                  [(out, out_bytes)], smem=wg_smem_bytes(128))
+            return
         # the wider tile where it still gives every SM a block at the chunk's full size; phases of one or two
         # row tiles (short chunks, decode batches past the GEMV, mixed steps) take the width whose waves of blocks
         # carry the fewest columns a block (ties to the wider: gate_up at 128 rows runs 384 64-column tiles in 3
@@ -234,8 +226,6 @@ class LinearLaunches:
         self.kernel_smem[kern] = wg_smem_bytes(bn)
         args[1] = tmap(wbuf, dtype, lin.n, lin.k, bn)
         gy = rows_div(rows, WG_TILE_M)
-        if gate:
-            gy = {**gy, "range": gate}
         e.add(kern, (tiles, gy, splits), (WG_THREADS,), args + split_args, reads + ws, [(out, out_bytes)] + ws,
               smem=wg_smem_bytes(bn))
 

@@ -45,9 +45,8 @@ class ProgramOptions:
     norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
                                       # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than
                                       # rows; on the streamed GEMV (1-4 rows) as partial sums (ring_norm_ok)
-    prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (steps of up to WGP_MAX_ROWS rows
-                                      # on the persistent ping-pong GEMM, larger ones on the per-tile one) or tiles (the
-                                      # per-tile one for every row count)
+    prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
+                                      # GEMM) or tiles (the per-tile one)
 
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,

@@ -284,13 +284,10 @@ def test_a_steps_head_takes_sampled_chunks_first():
 
 
 def test_large_prefill_phase_runs_one_gemm_a_linear_at_every_row_count():
-    """The Qwen3-8B shape's largest prefill phase holds two kernels for each layer linear (the persistent ping-pong
-    GEMM up to WGP_MAX_ROWS rows, the per-tile one past them), each grid gated on the step's rows: at every row count
-    exactly one of each pair launches (a grid dimension of 0 skips a launch), the persistent one from 1 to
-    WGP_MAX_ROWS rows; --prefill-gemm tiles leaves the per-tile one alone. No nvcc: the program is built without a
-    cubin."""
+    """The Qwen3-8B shape's largest prefill phase runs each layer linear on one GEMM at every row count: the persistent
+    ping-pong GEMM (auto) or the per-tile one (--prefill-gemm tiles), whose grid follows the step's rows. No nvcc: the
+    program is built without a cubin."""
     from imp_runtime.program import evaluate
-    from impc.launch_linear import WGP_MAX_ROWS
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -298,20 +295,20 @@ def test_large_prefill_phase_runs_one_gemm_a_linear_at_every_row_count():
     spec, t = SHAPES["qwen3-8b"], load_target("sm_90a")
     formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
-    for opt, kinds in (("auto", {"gemm_wgp_f16", "gemm_wg256_f16"}), ("tiles", {"gemm_wg256_f16"})):
+    for opt, kern in (("auto", "gemm_wgp_f16"), ("tiles", "gemm_wg256_f16")):
         prog = build_program(spec, formats, t, plan, ProgramOptions(prefill_gemm=opt), None)
         chunk = prog.constants["prefill_chunk"]
-        assert chunk > WGP_MAX_ROWS
+        assert chunk > 512
         gemms = [x for x in prog.phase("prefill", chunk).launches
                  if x.kernel.startswith("gemm_wg") and any(b.startswith("layers.") for b, _ in x.reads)]
-        assert {x.kernel for x in gemms} == kinds
-        for rows in (1, 257, WGP_MAX_ROWS, WGP_MAX_ROWS + 1, chunk):
+        assert {x.kernel for x in gemms} == {kern}
+        for rows in (1, 257, 512, 513, chunk):
             env = dict(prog.symbols, rows=rows, dec=0, prows=rows, srows=0, schunks=0)
             ran = [x for x in gemms if all(evaluate(g, env) for g in x.grid)]
             # one launch for each layer's qkv, o, gate_up and down
             assert len(ran) == 4 * spec.n_layers
-            assert all(x.kernel == ("gemm_wgp_f16" if opt == "auto" and rows <= WGP_MAX_ROWS else "gemm_wg256_f16")
-                       for x in ran), (opt, rows)
+            if opt == "auto":       # a block an SM (the GEMM walks the step's tiles)
+                assert all(evaluate(x.grid[0], env) == t["sm_count"] for x in ran)
 
 
 def test_symbol_ranges_gate_a_value_and_the_version_says_so():
