@@ -73,10 +73,12 @@ def _add_compile(sub) -> None:
                         "BENCHMARKS.md)")
     p.add_argument("--norm-tail", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode: the RMSNorm after the o and down projections in the tail of their GEMM past "
-                        "the GEMV's rows (a block a row once all have finished), and as partial sums in the streamed "
-                        "GEMV's epilogues at 1-4 rows (default on); --no-norm-tail keeps it a launch of its own, for "
-                        "GPUs (MIG slices) with no more SMs than the batch has rows, where the bundle refuses to load "
-                        "otherwise")
+                        "the GEMV's rows (a block a row once all have finished; default on); --no-norm-tail keeps it a "
+                        "launch of its own, for GPUs (MIG slices) with no more SMs than the batch has rows, where the "
+                        "bundle refuses to load otherwise")
+    p.add_argument("--norm-partials", action=argparse.BooleanOptionalAction, default=True,
+                   help="Hopper decode at 1-4 rows: the same RMSNorm as partial sums in the epilogues of the streamed "
+                        "GEMVs around it, no launch of its own (default on; BENCHMARKS.md: b1 +8.5%%)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -155,7 +157,7 @@ def cmd_compile(a) -> int:
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
                           prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
-                          norm_tail=a.norm_tail)
+                          norm_tail=a.norm_tail, norm_partials=a.norm_partials)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -47,10 +47,11 @@ class CompileOptions:
     decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
     gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
     prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
-    prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent up to 512 rows) | tiles
+    prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent ping-pong) | tiles
     rope_in_attention: bool | None = None  # decode: q/k norm, RoPE and the KV append in the attention (None: by
                                            # the shape, impc/launches.py ROPE_IN_ATTENTION_MAX_HEAD_DIM)
     norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
+    norm_partials: bool = True       # Hopper decode at 1-4 rows: the same norm as partial sums in the streamed GEMVs
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused
@@ -66,7 +67,8 @@ class CompileOptions:
         return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
                               decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
                               prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm,
-                              rope_in_attention=self.rope_in_attention, norm_tail=self.norm_tail)
+                              rope_in_attention=self.rope_in_attention, norm_tail=self.norm_tail,
+                              norm_partials=self.norm_partials)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

@@ -411,7 +411,7 @@ class LinearLaunches:
         step at 1-4 rows (BENCHMARKS.md, twenty-third session)."""
         h = self.spec.hidden
         gated = reader.name.endswith(".gate_up")
-        return (dec and self.opt.norm_tail and writer.n == h and reader.k == h and h % 256 == 0
+        return (dec and self.opt.norm_partials and writer.n == h and reader.k == h and h % 256 == 0
                 and self.gemv_rows <= max(GR_NB) and nb in GR_NB
                 and self.ring_ok(writer, 1) and self.ring_ok(reader, 1, gated=gated)
                 and not self.norm_fused(reader, True, 1))

@@ -44,7 +44,9 @@ class ProgramOptions:
                                            # launch; None: by the shape (rope_in_attention below)
     norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
                                       # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than
-                                      # rows; on the streamed GEMV (1-4 rows) as partial sums (ring_norm_ok)
+                                      # rows
+    norm_partials: bool = True        # Hopper decode on the streamed GEMV (1-4 rows): the same norm as partial sums in
+                                      # the GEMVs' epilogues (launch_linear.py ring_norm_ok)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
                                       # GEMM) or tiles (the per-tile one)
 
@@ -52,7 +54,8 @@ class ProgramOptions:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
                 "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
-                "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail}
+                "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail,
+                "norm_partials": self.norm_partials}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:

@@ -489,13 +489,19 @@ def test_norm_in_the_decode_gemm_tail_program():
         assert all(x.grid[0] >= ph.tokens for x in wq)
         assert ("hb", ph.tokens * spec.hidden * 2) in wq[0].writes
     # a GPU must hold a block more than the rows the tail norms (the runtime refuses to load the bundle where it
-    # cannot: runtime/executor_cuda.py); --no-norm-tail keeps the norms launches of their own
+    # cannot: runtime/executor_cuda.py); --no-norm-tail keeps those norms launches of their own, --no-norm-partials
+    # the streamed GEMVs' (each flag one mechanism: only the tail needs the SMs)
     from imp_runtime.executor_cuda import norm_tail_rows
     assert norm_tail_rows(prog) == 64
+    def norms(opts: ProgramOptions, rows: int) -> int:
+        p = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), opts, None)
+        return sum(x.kernel == "rmsnorm_residual" for x in p.phase("decode", rows).launches)
     off = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(norm_tail=False), None)
     assert norm_tail_rows(off) == 0 and off.options["norm_tail"] is False
-    assert sum(x.kernel == "rmsnorm_residual" for x in off.phase("decode", 8).launches) == 2 * spec.n_layers + 1
-    assert sum(x.kernel == "rmsnorm_residual" for x in off.phase("decode", 1).launches) == 2 * spec.n_layers + 1
+    every = 2 * spec.n_layers + 1
+    assert (norms(ProgramOptions(norm_tail=False), 8), norms(ProgramOptions(norm_tail=False), 1)) == (every, 2)
+    assert (norms(ProgramOptions(norm_partials=False), 8), norms(ProgramOptions(norm_partials=False), 1)) == (2, every)
+    assert norms(ProgramOptions(norm_tail=False, norm_partials=False), 4) == every
     narrow = ModelSpec(family="qwen3", vocab_size=32000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8,
                        head_dim=64, intermediate=3072, norm_eps=1e-6, rope_theta=1e6, max_position=4096, qk_norm=True)
     f = default_formats(narrow)
