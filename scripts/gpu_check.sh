@@ -4,26 +4,43 @@
 # streams of 512-token prompts and 256 output tokens, lockstep and jittered, and a 2,000-token shared prefix).
 # Logs go to OUT; a short summary is printed last.
 #
-# Usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]
+# Usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve] [--peer CONFIG]
 #   BUNDLE: e.g. a synthetic 8B-shape bundle (impc compile --synthetic examples/qwen3-8b.json -o BUNDLE --target sm_90a)
 #   the GPU tests read their bundles from $IMP_GPU_BUNDLES (scripts/build_gpu_bundles.py builds them)
+#   --peer CONFIG: also scripts/prefill_peer.py CONFIG (the bf16 PyTorch model of the bundle's shape, issue 9's peer)
+#   right after the bench, so the two prefill figures come from one call
+# The whole GPU suite alone takes ~5 minutes (2026-12-03): with the bench and served load it exceeds one 10-minute
+# device command, so run the tests in a call of their own and this script with --no-tests.
 set -uo pipefail
-OUT=${1:?usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]}
-BUNDLE=${2:?usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve]}
+USAGE="usage: scripts/gpu_check.sh OUT BUNDLE [--no-tests] [--no-serve] [--peer CONFIG]"
+OUT=${1:?$USAGE}
+BUNDLE=${2:?$USAGE}
 shift 2
-TESTS=1; SERVE=1
-for a in "$@"; do case $a in --no-tests) TESTS=0;; --no-serve) SERVE=0;; *) echo "unknown option $a" >&2; exit 2;; esac; done
+TESTS=1; SERVE=1; PEER=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --no-tests) TESTS=0;;
+    --no-serve) SERVE=0;;
+    --peer) PEER=${2:?$USAGE}; shift;;
+    *) echo "unknown option $1" >&2; echo "$USAGE" >&2; exit 2;;
+  esac
+  shift
+done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if [ $TESTS = 1 ]; then
-  timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu_model.py tests/test_gpu_kernels.py \
+  timeout 450 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu_model.py tests/test_gpu_kernels.py \
     tests/test_gpu_engine.py tests/test_pipelined_scheduler.py > "$OUT/tests.log" 2>&1
   echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -16
 fi
 timeout 200 $PY -m impc.cli bench "$BUNDLE" --batches 1,8,16,32,64 --pp 128,512,2048,4096 --mixed 64:192,0:512x4 \
   --runs 3 > "$OUT/bench.txt" 2> "$OUT/bench.err" || tail -3 "$OUT/bench.err"
 grep -E "batch|pp|mixed|first|copy" "$OUT/bench.txt"
+if [ -n "$PEER" ]; then
+  timeout 150 $PY scripts/prefill_peer.py "$PEER" --pp 128,512,4096 --runs 5 > "$OUT/peer.txt" 2>&1
+  grep -E "peer" "$OUT/peer.txt"
+fi
 [ $SERVE = 1 ] || exit 0
 PORT=${PORT:-8080}
 IMP_STEP_STATS=400 $PY -m impc.cli serve "$BUNDLE" --port $PORT --max-running 64 --log-level warning > "$OUT/serve.log" 2>&1 &
