@@ -10,6 +10,7 @@ each wgmma repetition alternates with a cuBLAS one, so both columns see the same
 each wgmma tile shape against torch's float32 product (ragged M, K not a multiple of 64, mode 1 adds).
 
 Usage: scripts/bench_gemm.py BUNDLE [--m 512,4096] [--runs 5] [--cubin FILE]
+       scripts/bench_gemm.py BUNDLE --profile GEMM,MODE,M,KERNEL    (one launch for ncu, see profile_one)
 """
 from __future__ import annotations
 
@@ -153,6 +154,38 @@ def checks(mod, stream) -> list[str]:
     return fails
 
 
+def profile_one(mod, manifest: dict, spec: str, stream) -> int:
+    """One wgmma GEMM launch between cudaProfilerStart and Stop, after a warm-up of the same launch, for
+    `ncu --profile-from-start off --set full -o OUT python scripts/bench_gemm.py BUNDLE --profile gate_up,2,2048,p`:
+    spec is the layer linear (qkv, o, gate_up, down), the mode (0 store, 1 add, 2 gated fp16 out), M and the kernel
+    (128 / 256: gemm_wg<BN>, p: the persistent ping-pong gemm_wgp)."""
+    try:
+        name, mode, m, kern = spec.split(",")
+        mode, m = int(mode), int(m)
+        bn = kern if kern == "p" else int(kern)
+    except ValueError:
+        print(f"--profile: expected GEMM,MODE,M,KERNEL (e.g. gate_up,2,2048,p), got {spec!r}", file=sys.stderr)
+        return 2
+    shapes = {n.split(".")[-1]: tuple(t["shape"]) for n, t in manifest["quantization"]["tensors"].items()
+              if n.startswith("layers.0.") and t["format"] == "nvfp4"}
+    if name not in shapes or mode not in (0, 1, 2) or bn not in (128, 256, "p"):
+        print(f"--profile: GEMM one of {sorted(shapes)}, MODE 0-2, KERNEL 128, 256 or p", file=sys.stderr)
+        return 2
+    n, k = shapes[name]
+    a = (torch.randn((m, k), device="cuda") * 0.5).half()
+    w = (torch.randn((n, k), device="cuda") * 0.5).half()
+    c = torch.empty((m, n // 2), dtype=torch.float16, device="cuda") if mode == 2 else torch.zeros((m, n), device="cuda")
+    for _ in range(3):
+        wg_gemm(mod, a, w, c, bn, mode=mode, stream=stream)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    wg_gemm(mod, a, w, c, bn, mode=mode, stream=stream)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled one launch: {name} (N {n}, K {k}) mode {mode} M {m} on {'gemm_wgp' if bn == 'p' else f'gemm_wg{bn}'}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
@@ -161,6 +194,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--wgmma-only", action="store_true", help="time the wgmma GEMMs and cuBLAS only (no "
                     "expansion or mma.sync columns)")
+    ap.add_argument("--profile", metavar="GEMM,MODE,M,KERNEL", help="no checks or table: one launch of that GEMM "
+                    "between cudaProfilerStart and Stop, for ncu --profile-from-start off (e.g. gate_up,2,2048,p)")
     args = ap.parse_args()
     torch.cuda.init()
     torch.zeros(1, device="cuda")
@@ -174,6 +209,8 @@ def main() -> int:
             if bn == 128:
                 mod.set_max_dynamic_smem(f"gemm_wgp_{dt}", smem)
     stream = torch.cuda.current_stream().cuda_stream
+    if args.profile:
+        return profile_one(mod, manifest, args.profile, stream)
     fails = checks(mod, stream)
     for f in fails:
         print("FAIL", f)
