@@ -79,6 +79,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--norm-partials", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode at 1-4 rows: the same RMSNorm as partial sums in the epilogues of the streamed "
                         "GEMVs around it, no launch of its own (default on; BENCHMARKS.md: b1 +8.5%%)")
+    p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
+                   help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
+                        "epilogue instead of a launch after it (heads of 64 or 128; experimental: off by default, "
+                        "not yet measured on a GPU)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")
@@ -157,7 +161,8 @@ def cmd_compile(a) -> int:
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
                           prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
-                          norm_tail=a.norm_tail, norm_partials=a.norm_partials)
+                          norm_tail=a.norm_tail, norm_partials=a.norm_partials,
+                          prefill_qkv_epilogue=a.prefill_qkv_epilogue)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

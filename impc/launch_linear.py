@@ -176,10 +176,12 @@ class LinearLaunches:
         """gate_up on the wgmma GEMM from an expanded NVFP4 copy: the GEMM's epilogue applies act(gate) * up."""
         return self.wg_layers and lin.fmt == "nvfp4"
 
-    def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+    def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, rope=None) -> None:
         """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
         operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
-        Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations."""
+        Modes 2/3 (gate_up): out[rows, N/2] = act(gate) * up as XF_F16 / XF_BF16 activations. rope (layer i, its
+        qkv_rope_cache_f16 arguments after the qkv rows; qkv_epilogue_ok): the qkv projection with q / k norm, RoPE and
+        the KV append in its epilogue (gemm_wgp_qkv_f16): q and layer i's KV pages written, not out."""
         m = ev(rows, self.rows_max, self.MB)
         out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
         if lin.fmt == "nvfp4":
@@ -203,8 +205,18 @@ class LinearLaunches:
             # 543-622 (BENCHMARKS.md, twenty-fourth session); before that, the per-tile kernel took steps past 512 rows.
             tiles = -(-lin.n // 128) * -(-self.rows_max // WG_TILE_M)
             kern = f"gemm_wgp_{dtype}"
-            self.kernel_smem[kern] = wg_smem_bytes(128)
             args[1] = tmap(wbuf, dtype, lin.n, lin.k, 128)
+            if rope is not None:
+                i, rope_args = rope
+                s, kern = self.spec, "gemm_wgp_qkv_f16"
+                self.kernel_smem[kern] = wg_smem_bytes(128)
+                e.add(kern, (min(tiles, self.sm_count),), (WG_THREADS,),
+                      args[:2] + args[3:8] + rope_args + [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
+                      reads + [("positions", m * 4), ("kv_slots", m * 4)],
+                      [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)],
+                      smem=wg_smem_bytes(128))
+                return
+            self.kernel_smem[kern] = wg_smem_bytes(128)
             e.add(kern, (min(tiles, self.sm_count),), (WG_THREADS,), args + [ptr(None), ptr(None)], reads,
                   [(out, out_bytes)], smem=wg_smem_bytes(128))
             return
@@ -228,6 +240,15 @@ class LinearLaunches:
         gy = rows_div(rows, WG_TILE_M)
         e.add(kern, (tiles, gy, splits), (WG_THREADS,), args + split_args, reads + ws, [(out, out_bytes)] + ws,
               smem=wg_smem_bytes(bn))
+
+    def qkv_epilogue_ok(self, lin: _Lin, dec: bool) -> bool:
+        """The prefill qkv projection with q / k norm, RoPE and the KV append in its epilogue, no qkv_rope_cache_f16
+        launch and no float32 qkv (--prefill-qkv-epilogue, off by default: built, not yet measured on a GPU): Hopper's
+        large prefill phases on the ping-pong GEMM (linear_wgmma), NVFP4 weights (their fp16 expansion), heads of 64
+        or 128 (a 128-column tile is whole heads: templates/gemm_wgmma.cu.j2 wg_qkv_epilogue)."""
+        return (self.opt.prefill_qkv_epilogue and not dec and bool(self.wg_layers) and lin.fmt == "nvfp4"
+                and not self.wq_ok(lin) and self.rows_max > WG_MID_CHUNK and self.opt.prefill_gemm == "auto"
+                and self.spec.head_dim in (64, 128))
 
     def wq_ok(self, lin: _Lin) -> bool:
         """This decode step's layer linear on gemm_wq (NVFP4 read as stored): a Hopper decode batch past the

@@ -47,6 +47,8 @@ class ProgramOptions:
                                       # rows
     norm_partials: bool = True        # Hopper decode on the streamed GEMV (1-4 rows): the same norm as partial sums in
                                       # the GEMVs' epilogues (launch_linear.py ring_norm_ok)
+    prefill_qkv_epilogue: bool = False  # Hopper large prefill phases: q / k norm, RoPE and the KV append in the qkv
+                                        # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; not yet GPU-measured)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
                                       # GEMM) or tiles (the per-tile one)
 
@@ -55,7 +57,7 @@ class ProgramOptions:
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
                 "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
                 "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail,
-                "norm_partials": self.norm_partials}
+                "norm_partials": self.norm_partials, "prefill_qkv_epilogue": self.prefill_qkv_epilogue}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
@@ -102,6 +104,8 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
         out |= {"attn_decode_rope_f16"}
         if attn_decode_geometry(spec, target)["smem3"]:
             out.add("attn_decode_rope_f16_r3")
+    if not options.prefill_qkv_epilogue and target["compute_capability"][0] == 9 and spec.head_dim in (64, 128):
+        out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
     return frozenset(out)
 
 
@@ -218,13 +222,17 @@ class ProgramBuilder(LinearLaunches):
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
+            fused = self.qkv_epilogue_ok(qkv, dec)     # q / k norm, RoPE and the KV append in the qkv GEMM
             if self.norm_fused(qkv, dec, nb):
                 self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
             else:
                 if not (normed or scaled):
                     self.rmsnorm(e, "x", p + "attn_norm", "hb", rows, fmt(qkv))
-                self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled)
-            if not rope_in_attention:
+                if fused:
+                    self.linear_wgmma(e, "hb", qkv, "qkv", rows, 0, rope=(i, self.rope_inputs(i)))
+                else:
+                    self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled)
+            if not rope_in_attention and not fused:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
                       [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],

@@ -314,7 +314,7 @@ def test_decode_gemv_int8_rows_ending_inside_a_block(ex, b):
 def test_prefill_gemm(ex, m):
     """The prefill GEMMs of every prefill phase with a ragged number of rows (the grid shrinks to them);
     on Hopper the wgmma GEMM, split over K in the phase of one row tile, and its gated gate_up epilogue; in the
-    large phases the persistent one up to its rows and the per-tile one past them (each launch gated on rows)."""
+    large phases the persistent ping-pong one at every row count."""
     from imp_runtime.program import evaluate
     rng = np.random.default_rng(3 + m)
     seen = set()

@@ -107,8 +107,25 @@ def test_mixed_step_vs_cpu(b, ts, prefix):
     gathered after the decode rows for the head) against the cpu executor's decode and prefill; the GPU-sampled
     greedy tokens, the decode rows' and each chunk's first, are the argmax of the GPU's own logits; each chunk's KV
     is right (the next decode step of its sequence agrees too)."""
+    mixed_step_vs_cpu("qwen3", b, ts, prefix)
+
+
+@pytest.mark.parametrize("b,ts,prefix", [(64, [300], 20), (0, [100, 57, 300], 10)])
+def test_prefill_qkv_epilogue_vs_cpu(b, ts, prefix):
+    """--prefill-qkv-epilogue: the large prefill phase's qkv GEMM applies q / k norm and RoPE and writes q and the
+    KV pages itself (templates/gemm_wgmma.cu.j2 wg_qkv_epilogue; heads of 64 here), no qkv_rope launch: the same
+    mixed steps as test_mixed_step_vs_cpu (the 512-row phase) against the cpu executor, each chunk's KV read back
+    by its next decode step."""
+    from imp_runtime.bundle import load_bundle
+    prog = load_bundle(gpu_bundle("qwen3-qkvepi")).program(os.environ.get("IMP_GPU_TARGET", "sm_90a"))
+    big = prog.phase("prefill", prog.constants["prefill_chunk"]).launches
+    assert any(x.kernel == "gemm_wgp_qkv_f16" for x in big) and not any(x.kernel.startswith("qkv_rope") for x in big)
+    mixed_step_vs_cpu("qwen3-qkvepi", b, ts, prefix)
+
+
+def mixed_step_vs_cpu(bundle: str, b: int, ts: list[int], prefix: int) -> None:
     from imp_runtime.executor import PrefillChunk, StepRow
-    cpu, gpu = executors(gpu_bundle("qwen3"))
+    cpu, gpu = executors(gpu_bundle(bundle))
     try:
         rng = np.random.default_rng(b + sum(ts))
         prompts = [rng.integers(4, cpu.spec.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, b)]

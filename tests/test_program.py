@@ -422,7 +422,8 @@ def test_rope_in_attention_program():
                 assert kernels.count("qkv_rope_cache_f16") == spec.n_layers
                 assert not any(k.startswith("attn_decode_rope") for k in kernels)
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
-    assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"}
+    assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
+        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())     # (--prefill-qkv-epilogue's kernel)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
 
 
@@ -546,3 +547,43 @@ def test_o_after_decode_attention_pdl():
             if spec is small:           # the per-block GEMV at every GEMV row count: the new rule applies somewhere
                 assert ph.tokens > gemv_rows or not streamed
             assert all(x.pdl == want for x in after), (spec.hidden, ph.tokens, after[0].kernel)
+
+
+def test_prefill_qkv_epilogue_program():
+    """--prefill-qkv-epilogue (off by default): the Qwen3-8B shape's large prefill phase runs each layer's qkv on
+    gemm_wgp_qkv_f16, which writes q and that layer's KV pages itself (its arguments name them, after the norm
+    weights, the RoPE table, positions and slots qkv_rope_cache_f16 takes), and no qkv_rope launch is left there;
+    the smaller prefill phases and decode keep the launch; heads of 256 (a tile of 128 columns is no whole head) keep
+    it everywhere; without the option the kernel is left out of the cubin."""
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    t = load_target("sm_90a")
+    spec = SHAPES["qwen3-8b"]
+    f = default_formats(spec)
+    plan = plan_memory(spec, f, [t], None, 4096, 64)
+    base = build_program(spec, f, t, plan, ProgramOptions(), None)
+    prog = build_program(spec, f, t, plan, ProgramOptions(prefill_qkv_epilogue=True), None)
+    chunk = prog.constants["prefill_chunk"]
+    for ph, ph0 in zip(prog.phases, base.phases):
+        kinds = [x.kernel for x in ph.launches]
+        if ph.phase == "prefill" and ph.tokens == chunk:
+            fused = [x for x in ph.launches if x.kernel == "gemm_wgp_qkv_f16"]
+            assert len(fused) == spec.n_layers and "qkv_rope_cache_f16" not in kinds
+            for i, x in enumerate(fused):
+                names = [a.get("ptr") for a in x.args if isinstance(a, dict) and "ptr" in a]
+                assert names == [f"layers.{i}.qkv.tscale", None, f"layers.{i}.q_norm", f"layers.{i}.k_norm", "rope.0",
+                                 "positions", "kv_slots", "q", f"kv.{i}.k", f"kv.{i}.v"], names
+                assert (f"kv.{i}.k", chunk * spec.kv_dim * 2) in x.writes and not any(b == "qkv" for b, _ in x.writes)
+                assert x.grid[0] == min(-(-(spec.q_dim + 2 * spec.kv_dim) // 128) * -(-chunk // 128), t["sm_count"])
+            assert len(ph.launches) == len(ph0.launches) - spec.n_layers     # one launch a layer fewer
+        else:
+            assert kinds == [x.kernel for x in ph0.launches], (ph.phase, ph.tokens)
+    assert "gemm_wgp_qkv_f16" in kernels_not_launched(spec, t, ProgramOptions())
+    assert "gemm_wgp_qkv_f16" not in kernels_not_launched(spec, t, ProgramOptions(prefill_qkv_epilogue=True))
+    wide = SHAPES["gemma3-hd256"]
+    fw = default_formats(wide)
+    p256 = build_program(wide, fw, t, plan_memory(wide, fw, [t], None, 4096, 64),
+                         ProgramOptions(prefill_qkv_epilogue=True), None)
+    assert not any(x.kernel == "gemm_wgp_qkv_f16" for ph in p256.phases for x in ph.launches)

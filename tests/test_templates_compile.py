@@ -72,6 +72,8 @@ def test_templates_compile(shape, target):
     sm90 = {k for k in EXPECTED_SM90 if wq_shape(spec) or not k.startswith("gemm_wq")}
     if spec.head_dim % 64 == 0:         # the wgmma prefill attention (templates/attn_prefill_wgmma.cu.j2)
         sm90.add("attn_prefill_wg")
+    qkv_epilogue = {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) and target == "sm_90a" else set()
+    sm90 |= qkv_epilogue                # (the qkv GEMM with q / k norm, RoPE and the KV append: heads of 64 / 128)
     assert symbols == set(EXPECTED) | (sm90 if target == "sm_90a" else set())
     formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
@@ -87,7 +89,7 @@ def test_templates_compile(shape, target):
     if resolve_options(spec, ProgramOptions()).rope_in_attention:      # (the default for tiny-llama's shape)
         assert rope <= launched | {"attn_decode_rope_f16_r3"}
         rope = set()
-    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
@@ -139,7 +141,8 @@ def test_prefill_attention_option():
         assert prog.options["prefill_attention"] == option
         from impc.launches import kernels_not_launched
         assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option)) == (
-            {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"}
+            {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} | (
+            {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())
 
 
 def test_gpu_penalties_program():
