@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if [ $TESTS = 1 ]; then
-  timeout 450 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu_model.py tests/test_gpu_kernels.py \
+  timeout 450 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short --durations=15 tests/test_gpu_model.py tests/test_gpu_kernels.py \
     tests/test_gpu_engine.py tests/test_pipelined_scheduler.py > "$OUT/tests.log" 2>&1
   echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -16
 fi
