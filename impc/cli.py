@@ -43,6 +43,11 @@ def _add_compile(sub) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="longest sequence in tokens (default: the model's, at most 32768)")
     p.add_argument("--max-batch", type=int, default=64, metavar="N", help="most sequences decoded at once (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="most prompt tokens one prefill call (and one scheduler step) takes, as vLLM's "
+                        "--max-num-batched-tokens: larger chunks run the prefill GEMMs nearer the tensor-core rate, "
+                        "smaller ones keep other streams' decode steps shorter (default: the target's, sm_90a 2048, "
+                        "sm_120a 512; at most --max-context)")
     p.add_argument("--name", default=None,
                    help="model name the bundle serves under (default: the checkpoint's file or folder name)")
     p.add_argument("--gemv-max-rows", type=int, default=None, metavar="N", choices=[0, 1, 2, 4, 8, 16],
@@ -156,7 +161,8 @@ def cmd_compile(a) -> int:
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
-                          max_context=a.max_context, max_batch=a.max_batch, name=a.name,
+                          max_context=a.max_context, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
+                          name=a.name,
                           gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
                           prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,

@@ -38,6 +38,7 @@ class CompileOptions:
     vram_gib: float | None = None
     max_context: int | None = None
     max_batch: int = 64
+    prefill_chunk: int | None = None   # most prompt tokens one prefill call takes (None: the target's)
     name: str | None = None          # served model name (default: the checkpoint's file or folder name)
     gemv_max_rows: int | None = None   # decode batches up to this many rows run the GEMV, larger the GEMM (None:
                                        # by the shape, impc/launch_linear.py)
@@ -129,7 +130,7 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
     plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights,
-                       opts.gpu_penalties)
+                       opts.gpu_penalties, opts.prefill_chunk)
     for line in describe(plan):
         p.info(line)
     return formats, targets, plan

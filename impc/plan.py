@@ -43,12 +43,15 @@ def fmt_gib(n: float) -> str:
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
                 max_context: int | None, max_batch: int, prefill_weights: str = "auto",
-                gpu_penalties: bool = True) -> dict:
+                gpu_penalties: bool = True, prefill_chunk: int | None = None) -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/arena_layout.py lays them out),
-    and every remaining byte of the target's memory, less a reserve, as KV pages."""
+    and every remaining byte of the target's memory, less a reserve, as KV pages. prefill_chunk: the most prompt
+    tokens one prefill call takes (None: the target's; at most the context either way)."""
     from impc.arena_layout import fixed_arena_bytes, penalty_tables, prefill_weights_mode, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise CompileError(f"--prefill-chunk must be at least 1 (got {prefill_chunk})")
     ctx = max_context or min(spec.max_position, 32768)
     if ctx < 1:
         raise CompileError("--max-context must be at least 1")
@@ -62,10 +65,12 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
             "targets": {}}
     if plan["graph_buckets"][-1] < max_batch:
         plan["graph_buckets"].append(max_batch)
+    if prefill_chunk is not None:       # (also for a bundle without GPU targets: the cpu executor's chunk)
+        plan["prefill_chunk"] = min(prefill_chunk, ctx)
     for t in targets:
         vram = int((vram_gib if vram_gib is not None else t["vram_gib"]) * GiB)
         page = t["page_size"]
-        chunk = min(t["prefill_chunk"], ctx)
+        chunk = min(prefill_chunk or t["prefill_chunk"], ctx)
         max_pages = math.ceil(ctx / page)
         rows, logit_rows = rows_for(chunk, max_batch)
         wg_mode = prefill_weights_mode(spec, formats, t, vram, prefill_weights)

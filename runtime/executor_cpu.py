@@ -132,7 +132,8 @@ class CpuExecutor:
         self.max_context: int = plan["max_context"]
         self.max_batch: int = plan.get("max_batch", 64)
         self.page_size: int = target.get("page_size", DEFAULT_PAGE_SIZE)
-        self.prefill_chunk: int = min(target.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), self.max_context)
+        self.prefill_chunk: int = min(target.get("prefill_chunk", plan.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)),
+                                      self.max_context)
         s = self.spec
         page_bytes = 2 * s.n_layers * self.page_size * s.kv_dim * 4
         one_sequence = math.ceil(self.max_context / self.page_size)

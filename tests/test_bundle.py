@@ -167,3 +167,32 @@ def test_sharded_checkpoint_gives_the_same_weights(checkpoints, bundles, tmp_pat
     import numpy as np
     a, b = load_bundle(out).float_weights(), load_bundle(bundles("qwen2", "bf16")).float_weights()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_prefill_chunk_option(checkpoints, tmp_path):
+    """--prefill-chunk N: the most prompt tokens one prefill call takes, planned for each target (the program's
+    largest prefill phase) and for a cpu-only bundle; a prompt prefilled in chunks of 16 gives the logits of the
+    same prompt in one call (the chunks attend to the KV the earlier ones cached). 0 is a one-line error."""
+    import numpy as np
+    from imp_runtime.executor_cpu import CpuExecutor
+    from imp_runtime.kv_blocks import SoloSequence
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec, t = SHAPES["qwen3-8b"], load_target("sm_90a")
+    f = default_formats(spec)
+    assert plan_memory(spec, f, [t], None, 8192, 64)["targets"]["sm_90a"]["prefill_chunk"] == t["prefill_chunk"]
+    assert plan_memory(spec, f, [t], None, 8192, 64, prefill_chunk=4096)["targets"]["sm_90a"]["prefill_chunk"] == 4096
+    assert plan_memory(spec, f, [t], None, 1000, 64, prefill_chunk=4096)["targets"]["sm_90a"]["prefill_chunk"] == 1000
+    logits = {}
+    for chunk in (None, 16):
+        out = tmp_path / f"c{chunk}"
+        compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="none", max_context=256,
+                                     prefill_chunk=chunk))
+        ex = CpuExecutor(load_bundle(out))
+        assert ex.prefill_chunk == (16 if chunk else 256)
+        tokens = np.random.default_rng(5).integers(4, ex.spec.vocab_size, 50).tolist()
+        logits[chunk] = SoloSequence(ex).prefill(tokens, all_logits=True)
+    np.testing.assert_allclose(logits[16], logits[None], rtol=1e-4, atol=1e-4)
+    r = impc("compile", str(checkpoints("qwen3")), "-o", str(tmp_path / "bad"), "--target", "none", "--prefill-chunk", "0")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--prefill-chunk must be at least 1" in r.stderr
