@@ -203,22 +203,20 @@ class LinearLaunches:
             # SM: no wave of half-filled SMs, one consumer's epilogue under the other's main loop). With its wgmma
             # descriptors in uniform registers it runs 602-647 TFLOP/s at M = 4096 against the per-tile kernel's
             # 543-622 (BENCHMARKS.md, twenty-fourth session); before that, the per-tile kernel took steps past 512 rows.
-            tiles = -(-lin.n // 128) * -(-self.rows_max // WG_TILE_M)
-            kern = f"gemm_wgp_{dtype}"
+            grid = (min(-(-lin.n // 128) * -(-self.rows_max // WG_TILE_M), self.sm_count),)
             args[1] = tmap(wbuf, dtype, lin.n, lin.k, 128)
-            if rope is not None:
+            if rope is None:
+                kern, writes = f"gemm_wgp_{dtype}", [(out, out_bytes)]
+                args += [ptr(None), ptr(None)]                    # (no split-K workspace)
+            else:                   # gemm_wgp_qkv_f16: no C, mode or workspace; the rope inputs, q and the KV pages
                 i, rope_args = rope
                 s, kern = self.spec, "gemm_wgp_qkv_f16"
-                self.kernel_smem[kern] = wg_smem_bytes(128)
-                e.add(kern, (min(tiles, self.sm_count),), (WG_THREADS,),
-                      args[:2] + args[3:8] + rope_args + [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
-                      reads + [("positions", m * 4), ("kv_slots", m * 4)],
-                      [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)],
-                      smem=wg_smem_bytes(128))
-                return
+                a_map, w_map, _c, *scalars, _mode = args
+                args = [a_map, w_map, *scalars, *rope_args, ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")]
+                reads += [("positions", m * 4), ("kv_slots", m * 4)]
+                writes = [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)]
             self.kernel_smem[kern] = wg_smem_bytes(128)
-            e.add(kern, (min(tiles, self.sm_count),), (WG_THREADS,), args + [ptr(None), ptr(None)], reads,
-                  [(out, out_bytes)], smem=wg_smem_bytes(128))
+            e.add(kern, grid, (WG_THREADS,), args, reads, writes, smem=wg_smem_bytes(128))
             return
         # the wider tile where it still gives every SM a block at the chunk's full size; phases of one or two
         # row tiles (short chunks, decode batches past the GEMV, mixed steps) take the width whose waves of blocks

@@ -154,6 +154,12 @@ def checks(mod, stream) -> list[str]:
     return fails
 
 
+def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of layer 0's NVFP4 linears by name (qkv, o, gate_up, down): the GEMMs timed."""
+    return {n.split(".")[-1]: tuple(t["shape"]) for n, t in manifest["quantization"]["tensors"].items()
+            if n.startswith("layers.0.") and t["format"] == "nvfp4"}
+
+
 def profile_one(mod, manifest: dict, spec: str, stream) -> int:
     """One wgmma GEMM launch between cudaProfilerStart and Stop, after a warm-up of the same launch, for
     `ncu --profile-from-start off --set full -o OUT python scripts/bench_gemm.py BUNDLE --profile gate_up,2,2048,p`:
@@ -166,8 +172,7 @@ def profile_one(mod, manifest: dict, spec: str, stream) -> int:
     except ValueError:
         print(f"--profile: expected GEMM,MODE,M,KERNEL (e.g. gate_up,2,2048,p), got {spec!r}", file=sys.stderr)
         return 2
-    shapes = {n.split(".")[-1]: tuple(t["shape"]) for n, t in manifest["quantization"]["tensors"].items()
-              if n.startswith("layers.0.") and t["format"] == "nvfp4"}
+    shapes = layer_shapes(manifest)
     if name not in shapes or mode not in (0, 1, 2) or bn not in (128, 256, "p"):
         print(f"--profile: GEMM one of {sorted(shapes)}, MODE 0-2, KERNEL 128, 256 or p", file=sys.stderr)
         return 2
@@ -215,10 +220,7 @@ def main() -> int:
     for f in fails:
         print("FAIL", f)
     print(f"checks: {'all passed' if not fails else f'{len(fails)} failed'}")
-    shapes = {}
-    for name, t in manifest["quantization"]["tensors"].items():
-        if name.startswith("layers.0.") and t["format"] == "nvfp4":
-            shapes[name.split(".")[-1]] = tuple(t["shape"])
+    shapes = layer_shapes(manifest)
     rows = []
     for m in (int(x) for x in args.m.split(",")):
         for name, (n, k) in shapes.items():
