@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from imp_runtime import int8
-from imp_runtime.nvfp4 import BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_VALUES, dequantize, padded_k
+from imp_runtime.nvfp4 import BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_VALUES, dequantize, pack_e2m1, padded_k
 
 # Positive finite E4M3 values in code order (codes 0..126 increase monotonically).
 _E4M3_POS = E4M3_VALUES[:127].astype(np.float64)
@@ -83,8 +83,9 @@ def nvfp4_scales(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_codes(q: np.ndarray) -> np.ndarray:
-    """E2M1 nibbles [N, Kp] -> bytes [N, Kp/2], the even element in the low nibble (DESIGN.md)."""
-    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4), dtype=np.uint8)   # C order: stored as raw bytes
+    """E2M1 codes [N, Kp] -> stored bytes [N, Kp/2]: elements 2j and 2j + 1 in byte j, bits placed by
+    runtime/nvfp4.py pack_e2m1 (bundle format 2)."""
+    return np.ascontiguousarray(pack_e2m1(q[:, 0::2], q[:, 1::2]))   # C order: stored as raw bytes
 
 
 def quantize_nvfp4(w: np.ndarray, scale_search: bool = False) -> NVFP4Tensor:

@@ -17,7 +17,7 @@ from imp_runtime.nvfp4 import dequantize
 from imp_runtime.spec import ModelSpec
 
 FORMAT = "imp-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2        # 2: NVFP4 codes' bits placed for the decode kernels (runtime/nvfp4.py pack_e2m1)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

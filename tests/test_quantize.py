@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from impc.quantize import quantize_nvfp4
+from imp_runtime.nvfp4 import pack_e2m1, unpack_e2m1
 
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -126,20 +127,31 @@ def test_scale_search_never_worse_per_block_and_stays_on_the_grid():
 
 # ------------------------------------------------------------------ stored layout (DESIGN.md)
 
-def test_stored_nibble_order_scale_byte_and_codes():
-    """The bytes themselves, by the definition: two codes a byte, the even element in the low nibble;
-    E2M1 nibble = sign bit 3, exponent bits 2..1, mantissa bit 0; the block scale an E4M3 byte.
-    A row whose amax is 6 has s_t = 6 / (6 * 448) and block scale 448 = 1.75 * 2^8 -> 0x7E, so each
-    element's code is the E2M1 code of the element itself."""
+def test_stored_code_bytes_scale_byte_and_codes():
+    """The bytes themselves, by the definition (runtime/nvfp4.py, bundle format 2): elements 2j and 2j + 1 in byte j,
+    the even element's sign at bit 7 and its exponent and mantissa at bits 3..1, the odd element's sign at bit 0
+    and its exponent and mantissa at bits 6..4; E2M1 code = sign bit 3, exponent bits 2..1, mantissa bit 0; the
+    block scale an E4M3 byte. A row whose amax is 6 has s_t = 6 / (6 * 448) and block scale 448 = 1.75 * 2^8 ->
+    0x7E, so each element's code is the E2M1 code of the element itself."""
     values = [0.5, -6.0, 1.0, 0.0, 1.5, -0.5, 2.0, 3.0, -4.0, 6.0, -1.0, -1.5, 4.0, -2.0, -3.0, 0.0]
-    nibble = {0.0: 0x0, 0.5: 0x1, 1.0: 0x2, 1.5: 0x3, 2.0: 0x4, 3.0: 0x5, 4.0: 0x6, 6.0: 0x7}
-    code = lambda v: nibble[abs(v)] | (0x8 if v < 0 else 0)   # noqa: E731
+    magnitude = {0.0: 0x0, 0.5: 0x1, 1.0: 0x2, 1.5: 0x3, 2.0: 0x4, 3.0: 0x5, 4.0: 0x6, 6.0: 0x7}
+    negative = lambda v: 1 if v < 0 else 0   # noqa: E731
     q = quantize_nvfp4(np.array([values]))
     assert q.scales.tolist() == [[0x7E]]
     assert q.tscale[0] == np.float32(6.0 / (6 * 448))
-    expected = [code(values[2 * i]) | (code(values[2 * i + 1]) << 4) for i in range(8)]
+    expected = [(negative(values[2 * i]) << 7) | (magnitude[abs(values[2 * i])] << 1)
+                | (magnitude[abs(values[2 * i + 1])] << 4) | negative(values[2 * i + 1]) for i in range(8)]
     assert q.codes.tolist() == [expected]
-    assert q.codes[0, 0] == 0xF1           # element 0 (0.5, code 0x1) low, element 1 (-6, code 0xF) high
+    assert q.codes[0, 0] == 0x73           # element 0 (0.5: 001 at bits 3..1), element 1 (-6: 111 at 6..4, sign bit 0)
+
+
+def test_stored_code_bytes_are_a_bijection():
+    """Every pair of E2M1 codes has its own byte and reads back as itself (no two pairs share a byte)."""
+    even, odd = np.meshgrid(np.arange(16, dtype=np.uint8), np.arange(16, dtype=np.uint8), indexing="ij")
+    stored = pack_e2m1(even, odd)
+    assert len(set(stored.ravel().tolist())) == 256
+    back_even, back_odd = unpack_e2m1(stored)
+    assert np.array_equal(back_even, even) and np.array_equal(back_odd, odd)
 
 
 # ------------------------------------------------------------------ GPTQ within the NVFP4 grid
