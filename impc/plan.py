@@ -37,6 +37,10 @@ def kv_bytes_per_token(spec: ModelSpec) -> int:
     return 2 * spec.n_layers * spec.kv_dim * KV_BYTES
 
 
+# The smallest prefill chunk a target's default falls back to when its own does not fit (plan_memory)
+MIN_DEFAULT_CHUNK = 512
+
+
 def fmt_gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -70,24 +74,35 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
     for t in targets:
         vram = int((vram_gib if vram_gib is not None else t["vram_gib"]) * GiB)
         page = t["page_size"]
-        chunk = min(prefill_chunk or t["prefill_chunk"], ctx)
         max_pages = math.ceil(ctx / page)
-        rows, logit_rows = rows_for(chunk, max_batch)
-        wg_mode = prefill_weights_mode(spec, formats, t, vram, prefill_weights)
-        fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode,
-                                  gpu_penalties)
         page_bytes = page * kv_tok
-        budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
-        pages = max(budget, 0) // page_bytes
+        wg_mode = prefill_weights_mode(spec, formats, t, vram, prefill_weights)
+
+        def kv_pages_with(chunk: int) -> tuple[int, int]:
+            """(fixed arena bytes, KV pages) of a plan whose prefill calls take up to `chunk` prompt tokens."""
+            rows, logit_rows = rows_for(chunk, max_batch)
+            fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode,
+                                      gpu_penalties)
+            budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
+            return fixed, max(budget, 0) // page_bytes
+
         need_pages = max_pages + 1                                           # + the padding page
+        chunk = min(prefill_chunk or t["prefill_chunk"], ctx)
+        fixed, pages = kv_pages_with(chunk)
+        # The target's chunk is a default, not a requirement: where its prefill scratch leaves no room for one
+        # max-context sequence, halve it (down to MIN_DEFAULT_CHUNK) before refusing; a chunk the user asked for is kept.
+        while prefill_chunk is None and pages < need_pages and chunk > MIN_DEFAULT_CHUNK:
+            chunk = max(chunk // 2, MIN_DEFAULT_CHUNK)
+            fixed, pages = kv_pages_with(chunk)
         if pages < need_pages:
             need = fixed + RESERVE_BYTES + need_pages * page_bytes
             pen = sum(n for _, _, n in penalty_tables(spec, plan["max_sequences"]).values()) if gpu_penalties else 0
             raise CompileError(
                 f"model does not fit {t['name']}: needs {fmt_gib(need)} (weights {fmt_gib(w_bytes)}, "
                 f"KV for one {ctx}-token sequence {fmt_gib(need_pages * page_bytes)}, scratch "
-                f"{fmt_gib(fixed - w_bytes)}, reserve {fmt_gib(RESERVE_BYTES)}), target has {fmt_gib(vram)}: "
-                f"try a smaller --max-context, --quant nvfp4, a larger --vram, or a smaller model"
+                f"{fmt_gib(fixed - w_bytes)} with {chunk}-token prefill chunks, reserve {fmt_gib(RESERVE_BYTES)}), "
+                f"target has {fmt_gib(vram)}: try a smaller --max-context or --prefill-chunk, --quant nvfp4, a larger "
+                f"--vram, or a smaller model"
                 + (f" (or --no-gpu-penalties: its per-sequence token counts take {fmt_gib(pen)})" if pen else ""))
         plan["targets"][t["name"]] = {
             "vram_bytes": vram, "page_size": page, "kv_pages": pages, "kv_bytes": pages * page_bytes,

@@ -169,6 +169,38 @@ def test_sharded_checkpoint_gives_the_same_weights(checkpoints, bundles, tmp_pat
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_default_prefill_chunk_halves_where_it_does_not_fit():
+    """The target's prefill chunk is a default: on a GPU too small for its prefill scratch and one max-context
+    sequence, the plan takes the largest halving of it (down to 512) that fits, as the same plan asked for that chunk
+    explicitly does; a chunk the user asks for is never changed: it does not fit, and the error names the option."""
+    from impc.plan import MIN_DEFAULT_CHUNK, plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec, t = SHAPES["qwen3-8b"], load_target("sm_90a")
+    f = default_formats(spec)
+
+    def fits(chunk, vram):
+        try:
+            plan_memory(spec, f, [t], vram, 32768, 64, prefill_chunk=chunk)
+            return True
+        except CompileError:
+            return False
+    candidates = []
+    c = t["prefill_chunk"]
+    while c >= MIN_DEFAULT_CHUNK:
+        candidates.append(c)
+        c //= 2
+    # the smallest VRAM (0.25 GiB steps) where the largest chunk does not fit but a smaller one does
+    vram = next(v / 4 for v in range(40, 800) if fits(candidates[-1], v / 4))
+    while fits(candidates[0], vram) or not fits(candidates[-1], vram):
+        vram += 0.25
+    want = next(c for c in candidates if fits(c, vram))
+    assert want < t["prefill_chunk"]
+    assert plan_memory(spec, f, [t], vram, 32768, 64)["targets"]["sm_90a"]["prefill_chunk"] == want
+    with pytest.raises(CompileError, match="--prefill-chunk"):
+        plan_memory(spec, f, [t], vram, 32768, 64, prefill_chunk=t["prefill_chunk"])
+
+
 def test_prefill_chunk_option(checkpoints, tmp_path):
     """--prefill-chunk N: the most prompt tokens one prefill call takes, planned for each target (the program's
     largest prefill phase) and for a cpu-only bundle; a prompt prefilled in chunks of 16 gives the logits of the
