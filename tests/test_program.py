@@ -587,3 +587,14 @@ def test_prefill_qkv_epilogue_program():
     p256 = build_program(wide, fw, t, plan_memory(wide, fw, [t], None, 4096, 64),
                          ProgramOptions(prefill_qkv_epilogue=True), None)
     assert not any(x.kernel == "gemm_wgp_qkv_f16" for ph in p256.phases for x in ph.launches)
+
+
+def test_boundary_cost_kernels_build(tmp_path):
+    """scripts/boundary_cost.py --build (the dependency-cost microbenchmark the GPU runs) compiles its two kernels for
+    sm_90a with the compiler wheels; their launch signatures are what the script binds (checked on the GPU)."""
+    from impc.cubin import kernel_symbols
+    out = tmp_path / "bc.cubin"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "boundary_cost.py"), "--build", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {"chain_step", "persistent_steps"} <= kernel_symbols(out.read_bytes())
