@@ -51,7 +51,10 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     formats, targets, plan = plan_stage(spec, opts, p)
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
-    emitted = emit_stage(spec, targets, plan, p)
+    from impc.emit import emit
+    from impc.launches import kernels_not_launched
+    omit = {t["name"]: kernels_not_launched(spec, t, opts.program_options()) for t in targets}
+    emitted = emit_stage(spec, targets, plan, p, emit(spec, targets, plan, omit))   # (as compile_model: unlaunched out)
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p, seed=int(seed))
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",

@@ -42,6 +42,10 @@ if [ -n "$PEER" ]; then
   grep -E "peer" "$OUT/peer.txt"
 fi
 [ $SERVE = 1 ] || exit 0
+# the served part needs the server's and the load client's packages: say so at once instead of 1,000 refused requests
+if ! $PY -c "import uvicorn, starlette, httpx" 2> "$OUT/serve-imports.txt"; then
+  echo "served load skipped: $(tail -1 "$OUT/serve-imports.txt") (install the project's serving dependencies)"; exit 1
+fi
 PORT=${PORT:-8080}
 IMP_STEP_STATS=400 $PY -m impc.cli serve "$BUNDLE" --port $PORT --max-running 64 --log-level warning > "$OUT/serve.log" 2>&1 &
 SP=$!
@@ -55,6 +59,7 @@ for _ in range(480):
         pass
     time.sleep(0.25)
 PY
+if ! kill -0 $SP 2>/dev/null; then echo "the server exited at start:"; tail -5 "$OUT/serve.log"; exit 1; fi
 run() { local tag=$1; shift; timeout 120 $PY scripts/bench_serve.py http://127.0.0.1:$PORT --ignore-eos --json "$OUT/serve-$tag.json" "$@" \
   > "$OUT/serve-$tag.txt" 2>&1; echo "served $tag: $(head -2 "$OUT/serve-$tag.txt" | tr '\n' ' ' | cut -c1-330)"; }
 run 1-stream --clients 1 --requests 3 --prompt-len 512 --output-len 256

@@ -216,6 +216,13 @@ def test_inspect_a_synthetic_bundle(tmp_path):
     attn = [x for x in small if x["kernel"].startswith("attn_prefill_") and x["kernel"] != "attn_prefill_merge"]
     assert len(attn) == 2 and all(x["args"][8] == {"i32": XF_F16W} for x in attn)
     assert not any(x["kernel"].startswith("gemm_wq") for x in tile)
+    # the cubin leaves out what no program of this shape launches, as a checkpoint's compile does: the qkv GEMM with
+    # the q / k norm + RoPE epilogue (--prefill-qkv-epilogue off) is in no program here, and not in the cubin
+    from impc.cubin import kernel_symbols
+    launched = {x["kernel"] for ph in phases.values() for x in ph}
+    defined = kernel_symbols((out / "kernels" / "sm_90a.cubin").read_bytes())
+    assert "gemm_wgp_qkv_f16" not in launched and "gemm_wgp_qkv_f16" not in defined
+    assert launched <= defined
 
 
 def test_host_step_cost_script_runs(gpu_bundle_dir):
