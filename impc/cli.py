@@ -84,6 +84,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--norm-partials", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode at 1-4 rows: the same RMSNorm as partial sums in the epilogues of the streamed "
                         "GEMVs around it, no launch of its own (default on; BENCHMARKS.md: b1 +8.5%%)")
+    p.add_argument("--norm-prologue-bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="one-row decode: the RMSNorm in the prologue of the GEMVs of bf16 weights too (the byte budget's "
+                        "bf16 projections), as NVFP4 ones have it, instead of a launch before them (experimental: "
+                        "off by default, not yet measured on a GPU)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; experimental: off by default, "
@@ -168,7 +172,7 @@ def cmd_compile(a) -> int:
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
                           prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
                           norm_tail=a.norm_tail, norm_partials=a.norm_partials,
-                          prefill_qkv_epilogue=a.prefill_qkv_epilogue)
+                          norm_prologue_bf16=a.norm_prologue_bf16, prefill_qkv_epilogue=a.prefill_qkv_epilogue)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

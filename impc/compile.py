@@ -54,6 +54,7 @@ class CompileOptions:
     norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
     norm_partials: bool = True       # Hopper decode at 1-4 rows: the same norm as partial sums in the streamed GEMVs
     prefill_qkv_epilogue: bool = False  # Hopper prefill: q / k norm, RoPE and the KV append in the qkv GEMM's epilogue
+    norm_prologue_bf16: bool = False    # one-row decode: the norm in bf16 GEMVs' prologue too (experimental)
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused
@@ -70,7 +71,8 @@ class CompileOptions:
                               decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
                               prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm,
                               rope_in_attention=self.rope_in_attention, norm_tail=self.norm_tail,
-                              norm_partials=self.norm_partials, prefill_qkv_epilogue=self.prefill_qkv_epilogue)
+                              norm_partials=self.norm_partials, prefill_qkv_epilogue=self.prefill_qkv_epilogue,
+                              norm_prologue_bf16=self.norm_prologue_bf16)
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:

@@ -445,13 +445,14 @@ class LinearLaunches:
         session)."""
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
-        return (dec and nb == 1 and lin.fmt == "nvfp4" and lin.k == h and 4 * h <= 32768
+        fmts = ("nvfp4", "bf16") if self.opt.norm_prologue_bf16 else ("nvfp4",)   # bf16: the same planes as bf16
+        return (dec and nb == 1 and lin.fmt in fmts and lin.k == h and 4 * h <= 32768
                 and -(-cols // 16) <= 2 * self.sm_count)
 
     def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
         h = self.spec.hidden
         cols = lin.n // 2 if gated else lin.n
-        e.add(f"gemv_{'gated_' if gated else ''}nvfp4_norm_nb1", ((cols + 15) // 16,), (256,),
+        e.add(f"gemv_{'gated_' if gated else ''}{lin.fmt}_norm_nb1", ((cols + 15) // 16,), (256,),
               [ptr("x"), ptr(norm), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(1), i32(mode)],
               lin.reads() + [("x", h * 4), (norm, h * 4)],
               [(out, 2 * cols * 2 if gated else cols * 4)])

@@ -51,13 +51,16 @@ class ProgramOptions:
                                         # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; not yet GPU-measured)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
                                       # GEMM) or tiles (the per-tile one)
+    norm_prologue_bf16: bool = False  # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
+                                      # norm_fused; not yet GPU-measured)
 
     def to_dict(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
                 "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
                 "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
                 "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail,
-                "norm_partials": self.norm_partials, "prefill_qkv_epilogue": self.prefill_qkv_epilogue}
+                "norm_partials": self.norm_partials, "prefill_qkv_epilogue": self.prefill_qkv_epilogue,
+                "norm_prologue_bf16": self.norm_prologue_bf16}
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:
@@ -106,6 +109,8 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
             out.add("attn_decode_rope_f16_r3")
     if not options.prefill_qkv_epilogue and target["compute_capability"][0] == 9 and spec.head_dim in (64, 128):
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
+    if not options.norm_prologue_bf16:
+        out |= {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}   # (templates/gemv.cu.j2: with the option only)
     return frozenset(out)
 
 

@@ -430,7 +430,8 @@ def test_rope_in_attention_program():
                 assert not any(k.startswith("attn_decode_rope") for k in kernels)
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
-        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())     # (--prefill-qkv-epilogue's kernel)
+        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {     # (--prefill-qkv-epilogue's kernel)
+        "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}                    # (--norm-prologue-bf16's)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
 
 
@@ -605,3 +606,36 @@ def test_boundary_cost_kernels_build(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert {"chain_step", "persistent_steps"} <= kernel_symbols(out.read_bytes())
+
+
+def test_norm_prologue_bf16_option():
+    """--norm-prologue-bf16: at one decode row the GEMVs of bf16 weights that read a normed residual (the byte
+    budget's bf16 qkv / gate_up) compute the RMSNorm in their prologue as the NVFP4 ones do: each such projection's
+    norm launch is gone, its GEMV reads the float32 residual x and the norm weight; two rows and more are unchanged,
+    and without the option the kernels are not even in the cubin (kernels_not_launched)."""
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec, t = SHAPES["tiny-llama"], load_target("sm_90a")
+    formats = default_formats(spec)
+    bf16 = {"layers.1.gate_up", "layers.2.qkv"}                 # as a byte budget may keep them
+    formats.update({n: "bf16" for n in bf16})
+    plan = plan_memory(spec, formats, [t], None, 512, 64)
+    progs = {on: build_program(spec, formats, t, plan, ProgramOptions(norm_prologue_bf16=on), None) for on in (False, True)}
+    one = {on: progs[on].phase("decode", 1).launches for on in progs}
+    norms = {on: sum(x.kernel == "rmsnorm_residual" for x in one[on]) for on in one}
+    assert norms[False] - norms[True] == len(bf16)
+    fused = [x for x in one[True] if x.kernel in ("gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1")]
+    assert sorted(x.kernel for x in fused) == ["gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"]
+    for x in fused:
+        lin = "layers.1.gate_up" if "gated" in x.kernel else "layers.2.qkv"
+        norm = "layers.1.ffn_norm" if "gated" in x.kernel else "layers.2.attn_norm"
+        assert list(x.args[:3]) == [{"ptr": "x"}, {"ptr": norm}, {"ptr": lin}]
+        assert {"x", norm, lin} <= {b for b, _ in x.reads}
+    assert not any(x.kernel.endswith("_norm_nb1") and "bf16" in x.kernel for x in one[False])
+    two = {on: [x.kernel for x in progs[on].phase("decode", 2).launches] for on in progs}
+    assert two[True] == two[False]
+    assert {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} <= kernels_not_launched(spec, t, ProgramOptions())
+    assert not {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} & kernels_not_launched(
+        spec, t, ProgramOptions(norm_prologue_bf16=True))
