@@ -46,8 +46,8 @@ def _add_compile(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="most prompt tokens one prefill call (and one scheduler step) takes, as vLLM's "
                         "--max-num-batched-tokens: larger chunks run the prefill GEMMs nearer the tensor-core rate, "
-                        "smaller ones keep other streams' decode steps shorter (default: the target's, sm_90a 2048, "
-                        "sm_120a 512; at most --max-context)")
+                        "smaller ones keep other streams' decode steps shorter (default: the target's, sm_90a 4096, "
+                        "sm_120a 512, halved where it does not fit; at most --max-context)")
     p.add_argument("--name", default=None,
                    help="model name the bundle serves under (default: the checkpoint's file or folder name)")
     p.add_argument("--gemv-max-rows", type=int, default=None, metavar="N", choices=[0, 1, 2, 4, 8, 16],
@@ -90,8 +90,8 @@ def _add_compile(sub) -> None:
                         "off by default, not yet measured on a GPU)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
-                        "epilogue instead of a launch after it (heads of 64 or 128; experimental: off by default, "
-                        "not yet measured on a GPU)")
+                        "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
+                        "faster on an H200, BENCHMARKS.md)")
     p.add_argument("--prefill-attention", default="wgmma", choices=["wgmma", "mma"],
                    help="Hopper prefill attention: on warpgroup MMA (wgmma; head dims that are multiples of 64, up to "
                         "256) or on mma.sync (mma, what other GPUs and head dims use) (default wgmma)")

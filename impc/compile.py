@@ -1,6 +1,7 @@
 """`impc compile`: the pipeline, stage by stage: load -> spec -> quantize -> plan -> emit -> bundle."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +68,12 @@ class CompileOptions:
             self.quant_head = True
 
     def program_options(self) -> ProgramOptions:
-        return ProgramOptions(gemv_max_rows=self.gemv_max_rows, pdl=self.pdl, prefill_split_k=self.prefill_split_k,
-                              decode_gemm=self.decode_gemm, gpu_penalties=self.gpu_penalties,
-                              prefill_attention=self.prefill_attention, prefill_gemm=self.prefill_gemm,
-                              rope_in_attention=self.rope_in_attention, norm_tail=self.norm_tail,
-                              norm_partials=self.norm_partials, prefill_qkv_epilogue=self.prefill_qkv_epilogue,
-                              norm_prologue_bf16=self.norm_prologue_bf16)
+        """The options that shape the launch program: each ProgramOptions field, from the field of this name."""
+        return ProgramOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ProgramOptions)})
+
+    def omitted_kernels(self, spec: ModelSpec, targets: list[dict]) -> dict[str, frozenset[str]]:
+        """Per target, the kernels no program of these options launches (emit leaves them out of the cubin)."""
+        return {t["name"]: kernels_not_launched(spec, t, self.program_options()) for t in targets}
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
@@ -309,7 +310,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     from impc.quantize_calibrated import one_malloc_arena
     one_malloc_arena()
     with ThreadPoolExecutor(max_workers=1, initializer=background_priority) as nvcc_pool:
-        omit = {t["name"]: kernels_not_launched(spec, t, opts.program_options()) for t in targets}
+        omit = opts.omitted_kernels(spec, targets)
         kernels = nvcc_pool.submit(emit, spec, targets, plan, omit)
         q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
         if q.formats != formats:

@@ -241,7 +241,7 @@ class LinearLaunches:
 
     def qkv_epilogue_ok(self, lin: _Lin, dec: bool) -> bool:
         """The prefill qkv projection with q / k norm, RoPE and the KV append in its epilogue, no qkv_rope_cache_f16
-        launch and no float32 qkv (--prefill-qkv-epilogue, off by default: built, not yet measured on a GPU): Hopper's
+        launch and no float32 qkv (--prefill-qkv-epilogue, off by default: GPU-tested, measured no faster): Hopper's
         large prefill phases on the ping-pong GEMM (linear_wgmma), NVFP4 weights (their fp16 expansion), heads of 64
         or 128 (a 128-column tile is whole heads: templates/gemm_wgmma.cu.j2 wg_qkv_epilogue)."""
         return (self.opt.prefill_qkv_epilogue and not dec and bool(self.wg_layers) and lin.fmt == "nvfp4"
@@ -445,7 +445,7 @@ class LinearLaunches:
         session)."""
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
-        fmts = ("nvfp4", "bf16") if self.opt.norm_prologue_bf16 else ("nvfp4",)   # bf16: the same planes as bf16
+        fmts = ("nvfp4", "bf16") if self.opt.norm_prologue_bf16 else ("nvfp4",)   # bf16: its planes XF_BF16X2
         return (dec and nb == 1 and lin.fmt in fmts and lin.k == h and 4 * h <= 32768
                 and -(-cols // 16) <= 2 * self.sm_count)
 

@@ -9,6 +9,7 @@ tests take their launches from here too, so a grid or an argument list exists in
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, replace
 
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
@@ -48,19 +49,14 @@ class ProgramOptions:
     norm_partials: bool = True        # Hopper decode on the streamed GEMV (1-4 rows): the same norm as partial sums in
                                       # the GEMVs' epilogues (launch_linear.py ring_norm_ok)
     prefill_qkv_epilogue: bool = False  # Hopper large prefill phases: q / k norm, RoPE and the KV append in the qkv
-                                        # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; not yet GPU-measured)
+                                        # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; measured no faster)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
                                       # GEMM) or tiles (the per-tile one)
     norm_prologue_bf16: bool = False  # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
                                       # norm_fused; not yet GPU-measured)
 
     def to_dict(self) -> dict:
-        return {"gemv_max_rows": self.gemv_max_rows, "pdl": self.pdl, "prefill_split_k": self.prefill_split_k,
-                "decode_gemm": self.decode_gemm, "gpu_penalties": self.gpu_penalties,
-                "prefill_attention": self.prefill_attention, "prefill_gemm": self.prefill_gemm,
-                "rope_in_attention": self.rope_in_attention, "norm_tail": self.norm_tail,
-                "norm_partials": self.norm_partials, "prefill_qkv_epilogue": self.prefill_qkv_epilogue,
-                "norm_prologue_bf16": self.norm_prologue_bf16}
+        return dataclasses.asdict(self)
 
 
 def fa_wg_geometry(head_dim: int, target: dict) -> dict | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from impc.errors import CompileError
 from impc.compile import CompileOptions, build_manifest, describe_spec, emit_stage, plan_stage, program_stage
+from impc.emit import emit
 from impc.families import family_for
 from impc.progress import Progress
 from impc.write_bundle import check_output_dir, write_bundle
@@ -51,10 +52,7 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     formats, targets, plan = plan_stage(spec, opts, p)
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
-    from impc.emit import emit
-    from impc.launches import kernels_not_launched
-    omit = {t["name"]: kernels_not_launched(spec, t, opts.program_options()) for t in targets}
-    emitted = emit_stage(spec, targets, plan, p, emit(spec, targets, plan, omit))   # (as compile_model: unlaunched out)
+    emitted = emit_stage(spec, targets, plan, p, emit(spec, targets, plan, opts.omitted_kernels(spec, targets)))
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p, seed=int(seed))
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
