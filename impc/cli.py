@@ -84,10 +84,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--norm-partials", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode at 1-4 rows: the same RMSNorm as partial sums in the epilogues of the streamed "
                         "GEMVs around it, no launch of its own (default on; BENCHMARKS.md: b1 +8.5%%)")
-    p.add_argument("--norm-prologue-bf16", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--norm-prologue-bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="one-row decode: the RMSNorm in the prologue of the GEMVs of bf16 weights too (the byte budget's "
-                        "bf16 projections), as NVFP4 ones have it, instead of a launch before them (experimental: "
-                        "off by default, not yet measured on a GPU)")
+                        "bf16 projections), as NVFP4 ones have it, instead of a launch before them (default on; "
+                        "BENCHMARKS.md: SmolLM2 shape all bf16, b1 +6.4%%); --no-norm-prologue-bf16 keeps the launch")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "

@@ -55,7 +55,7 @@ class CompileOptions:
     norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
     norm_partials: bool = True       # Hopper decode at 1-4 rows: the same norm as partial sums in the streamed GEMVs
     prefill_qkv_epilogue: bool = False  # Hopper prefill: q / k norm, RoPE and the KV append in the qkv GEMM's epilogue
-    norm_prologue_bf16: bool = False    # one-row decode: the norm in bf16 GEMVs' prologue too (experimental)
+    norm_prologue_bf16: bool = True     # one-row decode: the norm in bf16 GEMVs' prologue too (impc/launches.py)
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused

@@ -52,8 +52,8 @@ class ProgramOptions:
                                         # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; measured no faster)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
                                       # GEMM) or tiles (the per-tile one)
-    norm_prologue_bf16: bool = False  # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
-                                      # norm_fused; not yet GPU-measured)
+    norm_prologue_bf16: bool = True   # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
+                                      # norm_fused; SmolLM2 shape all bf16 b1 +6.4%, BENCHMARKS.md)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

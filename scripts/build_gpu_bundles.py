@@ -23,7 +23,8 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
         "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-wide-i8": "qwen3_wide_untied", "qwen3-pen": "qwen3",
         "qwen3-rope": "qwen3", "qwen2-rope": "qwen2",     # -rope: --rope-in-attention
         "qwen3-qkvepi": "qwen3_wide",   # --prefill-qkv-epilogue (heads of 64: the qkv GEMM's fused epilogue)
-        "llama-bf16-np": "llama"}       # all bf16 (--quant bf16) with --norm-prologue-bf16: qkv / gate_up norm in their GEMV
+        "llama-bf16": "llama",          # all bf16 (--quant bf16): qkv / gate_up norm in their GEMV's prologue (default)
+        "llama-bf16-np": "llama"}       # ... with --no-norm-prologue-bf16: the norm a launch before them
 # llama-i8: the output head INT8 with a scale a row (--head-format int8)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
@@ -62,7 +63,7 @@ def build(names: list[str]) -> None:
                                              gpu_penalties=name.endswith("-pen"),
                                              rope_in_attention=name.endswith("-rope"),
                                              prefill_qkv_epilogue=name.endswith("-qkvepi"),
-                                             norm_prologue_bf16=name.endswith("-np")))
+                                             norm_prologue_bf16=not name.endswith("-np")))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB,

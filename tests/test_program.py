@@ -430,8 +430,7 @@ def test_rope_in_attention_program():
                 assert not any(k.startswith("attn_decode_rope") for k in kernels)
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
-        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {     # (--prefill-qkv-epilogue's kernel)
-        "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}                    # (--norm-prologue-bf16's)
+        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())          # (--prefill-qkv-epilogue's kernel)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
 
 
@@ -609,7 +608,7 @@ def test_boundary_cost_kernels_build(tmp_path):
 
 
 def test_norm_prologue_bf16_option():
-    """--norm-prologue-bf16: at one decode row the GEMVs of bf16 weights that read a normed residual (the byte
+    """--norm-prologue-bf16 (the default): at one decode row the GEMVs of bf16 weights that read a normed residual (the byte
     budget's bf16 qkv / gate_up) compute the RMSNorm in their prologue as the NVFP4 ones do: each such projection's
     norm launch is gone, its GEMV reads the float32 residual x and the norm weight; two rows and more are unchanged,
     and without the option the kernels are not even in the cubin (kernels_not_launched)."""
@@ -636,6 +635,6 @@ def test_norm_prologue_bf16_option():
     assert not any(x.kernel.endswith("_norm_nb1") and "bf16" in x.kernel for x in one[False])
     two = {on: [x.kernel for x in progs[on].phase("decode", 2).launches] for on in progs}
     assert two[True] == two[False]
-    assert {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} <= kernels_not_launched(spec, t, ProgramOptions())
-    assert not {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} & kernels_not_launched(
-        spec, t, ProgramOptions(norm_prologue_bf16=True))
+    assert {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} <= kernels_not_launched(
+        spec, t, ProgramOptions(norm_prologue_bf16=False))
+    assert not {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} & kernels_not_launched(spec, t, ProgramOptions())

@@ -13,7 +13,7 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
             "attn_decode_rope_f16",                                 # --rope-in-attention
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
-            "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1",       # ... bf16 weights too (--norm-prologue-bf16)
+            "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1",       # ... bf16 weights too
             "apply_penalties", "count_sampled",                     # --gpu-penalties
             *[f"gemv_int8_nb{n}" for n in (1, 2, 4, 8, 16)], "gemm_int8_f16"]   # --head-format int8
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
@@ -81,10 +81,10 @@ def test_templates_compile(shape, target):
     prog = build_program(spec, formats, t, plan, ProgramOptions(), symbols)
     launched = {x.kernel for ph in prog.phases for x in ph.launches}
     assert launched <= symbols
-    # --norm-prologue-bf16 with a bf16 qkv and gate_up (as a byte budget may keep them): its program validates too
+    # a bf16 qkv and gate_up (as a byte budget may keep them: their norm in the GEMV's prologue): validates too
     mixed = {**formats, "layers.0.qkv": "bf16", "layers.0.gate_up": "bf16"}
     build_program(spec, mixed, t, plan_memory(spec, mixed, [t], None, min(4096, spec.max_position), 64),
-                  ProgramOptions(norm_prologue_bf16=True), symbols)
+                  ProgramOptions(), symbols)
     # what a compile leaves out of the cubin (impc/emit.py omit) is never launched, and its template drops it
     from impc.launches import kernels_not_launched
     omit = kernels_not_launched(spec, t, ProgramOptions())
@@ -94,8 +94,7 @@ def test_templates_compile(shape, target):
     if resolve_options(spec, ProgramOptions()).rope_in_attention:      # (the default for tiny-llama's shape)
         assert rope <= launched | {"attn_decode_rope_f16_r3"}
         rope = set()
-    norm_bf16 = {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}    # (--norm-prologue-bf16 only)
-    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue | norm_bf16
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
@@ -148,7 +147,7 @@ def test_prefill_attention_option():
         from impc.launches import kernels_not_launched
         assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option)) == (
             {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} | (
-            {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}
+            {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())
 
 
 def test_gpu_penalties_program():
