@@ -17,7 +17,7 @@ from imp_runtime.spec import ModelSpec
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16", "attn_decode_rope_f16",
-               "logits_softcap", "sample_tokens", "gemm_wq", "apply_penalties", "count_sampled")
+               "logits_softcap", "sample_tokens", "gemm_wq")
 # templates/gemv_ring.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
 GR_STAGES, GR_UR, GR_BLOCKS = 4, 2, 2          # ... and its blocks an SM (the grid)

@@ -340,20 +340,21 @@ class ProgramBuilder(LinearLaunches):
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
     def sample(self, e: _Emitter, rows) -> None:
+        """The GPU sampler over the rows' logits; with --gpu-penalties it first applies each row's penalties from its
+        sequence's token counts and afterwards counts the drawn token (templates/sampler.cu.j2 sample_tokens)."""
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
-        pen = [ptr("seq_slot"), ptr("repetition_penalty"), ptr("presence_penalty"), ptr("frequency_penalty")]
-        if self.opt.gpu_penalties:      # the rows' penalties on their logits, from their sequences' token counts
+        reads, writes = [("logits", b * v * 4)], [("sampled", b * 4)]
+        if self.opt.gpu_penalties:
             seqs = min(b, self.max_seqs)    # (the tables' rows are sequence slots, whatever the rows)
-            e.add("apply_penalties", (rows,), (1024,), [ptr("logits"), *pen, ptr("pen_counts"), ptr("pen_seen")],
-                  [("logits", b * v * 4), ("pen_counts", seqs * v * 4), ("pen_seen", seqs * v // 8)],
-                  [("logits", b * v * 4)])
+            pen = [ptr("seq_slot"), ptr("repetition_penalty"), ptr("presence_penalty"), ptr("frequency_penalty"),
+                   ptr("pen_counts"), ptr("pen_seen")]
+            reads += [("pen_counts", seqs * v * 4), ("pen_seen", seqs * v // 8)]
+            writes += [("logits", b * v * 4), ("pen_counts", b * 4)]
+        else:
+            pen = [ptr(None)] * 6
         e.add("sample_tokens", (rows,), (1024,),
               [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
-               ptr("sampled")],
-              [("logits", b * v * 4)], [("sampled", b * 4)])
-        if self.opt.gpu_penalties:      # ... and each drawn token counted for the next step
-            e.add("count_sampled", (1,), (256,), [ptr("sampled"), *pen, ptr("pen_counts"), i32(rows)],
-                  [("sampled", b * 4)], [("pen_counts", b * 4)])
+               ptr("sampled"), *pen], reads, writes)
 
     def decode(self, b: int) -> Phase:
         dec = b <= self.gemv_rows

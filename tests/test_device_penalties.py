@@ -2,7 +2,7 @@
 executor each sequence's penalty state (the prompt's tokens, the generated tokens' counts) before its first
 step with penalties and again after a preemption (a prompt's first token: from its prefill's logits on the host,
 or, in a mixed step, sampled in the step with its penalties, the state written before). The executor here
-is a stand-in that applies the penalties as templates/sampler.cu.j2's apply_penalties specifies (numpy, float32)
+is a stand-in that applies the penalties as templates/sampler.cu.j2's sample_tokens specifies (numpy, float32)
 from the state it was given and counts what it samples; the oracle is the host sampler (runtime/sampler.py) on
 the plain cpu executor. Greedy, so both pick the argmax of the same penalised logits: the tokens must match,
 alone, batched, pipelined, with steps launched ahead (the prompt's first token then sampled, with its penalties,
@@ -69,7 +69,7 @@ class DevicePenalties:
         return res
 
     def _penalised(self, sid, p, logits):
-        """templates/sampler.cu.j2's apply_penalties, then greedy; the token counted as the kernel counts it."""
+        """templates/sampler.cu.j2's penalise_row, then greedy; the token counted as sample_tokens counts it."""
         seen, counts = self.state[sid]            # a KeyError: a row with penalties before init_penalties
         lg = logits.astype(np.float32).copy()
         rep, pres, freq = np.float32(p.repetition_penalty), np.float32(p.presence_penalty), np.float32(p.frequency_penalty)

@@ -53,7 +53,7 @@ def test_prefix_cache_hit_matches_cold(engine):
 
 def test_gpu_penalties_give_the_host_samplers_tokens():
     """A bundle compiled with --gpu-penalties applies repetition / presence / frequency penalties in the step
-    (apply_penalties, count_sampled, from the state the scheduler writes): greedy requests with penalties, batched
+    (sample_tokens' penalties and counts, from the state the scheduler writes): greedy requests with penalties, batched
     with one without, get the tokens of the host sampler on the same GPU logits (the same executor told to leave
     penalties to the host: their logits come back and runtime/sampler.py applies them)."""
     from imp_runtime.engine import Engine

@@ -570,13 +570,16 @@ def test_act(ex):
 
 
 def test_penalties(ex):
-    """apply_penalties against the host sampler's penalise (runtime/sampler.py), bit for bit (the same float32
-    operations in the same order), over rows of each kind: repetition only, presence and frequency only, all
-    three, none; then count_sampled adds each penalised row's drawn token to its slot's counts, and no other."""
+    """sample_tokens' penalties against the host sampler's penalise (runtime/sampler.py), bit for bit (the same
+    float32 operations in the same order, written back into the logits), over rows of each kind: repetition only,
+    presence and frequency only, all three, none; greedy rows then draw the first maximum of their penalised logits
+    (numpy's argmax), and each penalised row's drawn token is added to its slot's counts, no other."""
     from imp_runtime.sampler import SamplingParams, Sampler
     b = 8
-    i, x = find(ex, "decode", b, "apply_penalties")
-    j, y = find(ex, "decode", b, "count_sampled")
+    i, x = find(ex, "decode", b, "sample_tokens")
+    if buf(x, 12) is None:
+        pytest.skip("a program without the GPU penalties (their six arguments null)")
+    assert buf(x, 12) == "pen_counts"
     v, words, rng = ex.vocab, -(-ex.vocab // 32), np.random.default_rng(5)
     kinds = [(1.3, 0.0, 0.0), (1.0, 0.6, 0.25), (1.7, 0.4, 1.1), (1.0, 0.0, 0.0)] * 2
     slots = rng.choice(np.arange(1, ex.max_seqs), b, replace=False).astype(np.int32)
@@ -586,6 +589,8 @@ def test_penalties(ex):
     for r, (rep, pres, freq) in enumerate(kinds):
         prompt = rng.integers(0, v, 50).tolist()
         out = rng.integers(0, v, 30)
+        # the row's largest logit on a prompt token, so that the penalty moves the draw
+        logits[r, prompt[0]] = ref[r, prompt[0]] = logits[r].max() + 0.5
         s = Sampler(SamplingParams(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq), prompt)
         s.out_counts = {int(t): int(c) for t, c in zip(*np.unique(out, return_counts=True))}
         for t, c in s.out_counts.items():
@@ -600,12 +605,17 @@ def test_penalties(ex):
     put(ex, "seq_slot", slots)
     for name, col in (("repetition_penalty", 0), ("presence_penalty", 1), ("frequency_penalty", 2)):
         put(ex, name, np.asarray([k[col] for k in kinds], np.float32))
+    put(ex, "temperature", np.zeros(b, np.float32))           # greedy
+    put(ex, "top_k", np.zeros(b, np.int32))
+    put(ex, "top_p", np.ones(b, np.float32))
+    put(ex, "min_p", np.zeros(b, np.float32))
+    poison(ex, "sampled")
     run(ex, "decode", b, i)
     got = get(ex, "logits", np.float32, b * v).reshape(b, v)
     assert np.array_equal(got, ref)
-    drawn = rng.integers(0, v, b).astype(np.int32)
-    put(ex, "sampled", drawn)
-    run(ex, "decode", b, j)
+    drawn = get(ex, "sampled", np.int32, b)
+    assert drawn.tolist() == np.argmax(ref, axis=1).tolist()
+    assert any(drawn[r] != np.argmax(logits[r]) for r in range(b))       # (the penalties moved some draws)
     for r, k in enumerate(kinds):
         row = get(ex, "pen_counts", np.int32, v, int(slots[r]) * v * 4)
         want = counts[r].copy()
@@ -881,6 +891,9 @@ def sample(ex, logits: np.ndarray, temperature, top_k, top_p, min_p, seeds, step
     put(ex, "temperature", np.full(b, temperature, np.float32)), put(ex, "top_k", np.full(b, top_k, np.int32))
     put(ex, "top_p", np.full(b, top_p, np.float32)), put(ex, "min_p", np.full(b, min_p, np.float32))
     put(ex, "seed", np.asarray(seeds, np.uint64)), put(ex, "step", np.full(b, step, np.int32))
+    if "repetition_penalty" in ex.program.buffers:      # (--gpu-penalties: rows without any, as the runtime writes them)
+        put(ex, "repetition_penalty", np.ones(b, np.float32))
+        put(ex, "presence_penalty", np.zeros(b, np.float32)), put(ex, "frequency_penalty", np.zeros(b, np.float32))
     poison(ex, "sampled")
     run(ex, "decode", b, i)
     return get(ex, "sampled", np.int32, b).tolist()

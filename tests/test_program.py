@@ -133,9 +133,9 @@ def test_inspect_program_counts(gpu_bundle_dir):
     dec1 = next(k for k in d["buckets"] if k["phase"] == "decode" and k["tokens"] == 1)
     # embed; per layer qkv (its RMSNorm fused at batch 1), rope+cache (unless the attention does it: the default
     # for head dims up to 64 without q/k norm), attention (its split merge fused), o, gate_up (+norm, +act), down; head norm, head, sample
-    # (with the GPU penalties, the default: apply_penalties before it, count_sampled after)
+    # (the GPU penalties, the default, inside the sampler's launch)
     opts = program_of(gpu_bundle_dir).options
-    pen = 2 if opts["gpu_penalties"] else 0
+    pen = 0
     assert opts["rope_in_attention"] == (s.head_dim <= 64 and not s.qk_norm)
     per_layer = 5 if opts["rope_in_attention"] else 6
     assert len(dec1["launches"]) == 1 + per_layer * s.n_layers + 3 + pen

@@ -14,7 +14,6 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
             "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1",       # ... bf16 weights too
-            "apply_penalties", "count_sampled",                     # --gpu-penalties
             *[f"gemv_int8_nb{n}" for n in (1, 2, 4, 8, 16)], "gemm_int8_f16"]   # --head-format int8
 # Hopper only (templates/gemm_wgmma.cu.j2): the TMA + wgmma prefill GEMM and the NVFP4 expansion it reads
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
@@ -152,9 +151,9 @@ def test_prefill_attention_option():
 
 def test_gpu_penalties_program():
     """--gpu-penalties (the default): each sampling launch (every decode bucket, every prefill phase's decode rows)
-    is preceded by apply_penalties and followed by count_sampled over the same rows, with the per-slot state tables
-    and the per-row step values planned into the arena (and counted by the plan); without it
-    (--no-gpu-penalties), none of them exist."""
+    (sample_tokens: every decode bucket, every prefill phase's decode rows) gets the penalty arguments: the rows'
+    sequence slots and penalty values and the per-slot state tables, planned into the arena (and counted by the plan);
+    without it (--no-gpu-penalties), the tables do not exist and those six arguments are null."""
     from impc.arena_layout import penalty_tables
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
@@ -165,7 +164,8 @@ def test_gpu_penalties_program():
     plain = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 512, 64, gpu_penalties=False),
                           ProgramOptions(gpu_penalties=False), None)
     assert not any(n in plain.buffers for n in names)
-    assert not any(x.kernel in ("apply_penalties", "count_sampled") for ph in plain.phases for x in ph.launches)
+    samplers = [x for ph in plain.phases for x in ph.launches if x.kernel == "sample_tokens"]
+    assert samplers and all(x.args[8:] == ({"ptr": None},) * 6 for x in samplers)
     plan = plan_memory(spec, formats, [t], None, 512, 64)
     prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
     assert all(n in prog.buffers for n in names)
@@ -177,7 +177,6 @@ def test_gpu_penalties_program():
         ks = [x.kernel for x in ph.launches]
         if "sample_tokens" not in ks:
             continue
-        s = ks.index("sample_tokens")
-        assert ks[s - 1] == "apply_penalties" and ks[s + 1] == "count_sampled", (ph.phase, ph.tokens)
-        assert ph.launches[s - 1].grid == ph.launches[s].grid
-        assert ph.launches[s + 1].args[-1] == {"i32": ph.launches[s].grid[0]}
+        x = ph.launches[ks.index("sample_tokens")]
+        assert [a["ptr"] for a in x.args[8:]] == ["seq_slot", *names[2:], "pen_counts", "pen_seen"], (ph.phase, ph.tokens)
+        assert {"pen_counts", "pen_seen"} <= {b for b, _ in x.reads} and "pen_counts" in {b for b, _ in x.writes}
