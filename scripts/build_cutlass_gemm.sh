@@ -11,22 +11,11 @@
 #        (space-separated kernel indices to compile, for their times alone: no library then), JOBS (parallel nvcc processes, default 1: with
 #        more, the times per kernel are no longer each kernel's alone)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+. "$(dirname "$0")/cutlass_env.sh"       # ROOT, PKG, PY, INC, NVCC, CUDA_LIB (the wheel's libcudart_static.a)
 cd "$ROOT"
 OUT=$(mkdir -p "${1:-build/cutlass}" && cd "${1:-build/cutlass}" && pwd)
-CUTLASS_VERSION=${CUTLASS_VERSION:-4.2.0.0}
-PKG=${CUTLASS_PKG:-$ROOT/.cache/nvidia-cutlass-$CUTLASS_VERSION}
-PY=${PYTHON:-$ROOT/.venv/bin/python}
 SRC=$ROOT/scripts/cutlass_gemm.cu
 JOBS=${JOBS:-1}
-
-INC=$PKG/cutlass_library/source
-if [ ! -f "$INC/include/cutlass/cutlass.h" ]; then
-    echo "installing nvidia-cutlass==$CUTLASS_VERSION (headers) into $PKG"
-    "$PY" -m pip install --quiet --no-deps --target "$PKG" "nvidia-cutlass==$CUTLASS_VERSION"
-fi
-NVCC=${NVCC:-$("$PY" -c "from impc.emit import nvcc_path; print(nvcc_path())")}
-CUDA_LIB=$(cd "$(dirname "$NVCC")/../lib" && pwd)      # the wheel's libcudart_static.a (not on nvcc's own path)
 echo "nvcc: $NVCC ($("$NVCC" --version | tail -1))"
 echo "CUTLASS: $(sed -n 's/^#define CUTLASS_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\).*/\2/p' "$INC/include/cutlass/version.h" | paste -sd.) from $INC"
 
