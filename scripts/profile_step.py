@@ -12,6 +12,10 @@ bundle planned with `impc compile ... --vram 40` (ncu's kernel replay saves and 
 with a default plan the arena holds nearly all of the GPU's memory and ncu answers "Failed to profile").
 
 With --back-to-back --graph each row's launches replay as one CUDA graph: kernel time without the host's launch rate.
+An event pair around each launch still breaks the overlap programmatic dependent launch gives consecutive kernels
+in the step's own graph: one-block kernels read 6-8 us here and cost well under 1 us there (BENCHMARKS.md,
+twenty-sixth session: two of them fused away moved the step by 0.2%). What a kernel costs in the step is what
+leaving it out saves: `ablate_step.py`.
 
 Usage: python scripts/profile_step.py BUNDLE [--phase decode|prefill] [--tokens N] [--reps 20] [--by-shape]
        [--back-to-back [--graph]] [--json]"""
