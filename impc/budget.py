@@ -261,14 +261,21 @@ def measure_sensitivity(spec: ModelSpec, reference: Mapping[str, np.ndarray], qu
 
 
 def choose_formats(spec: ModelSpec, formats: Mapping[str, str], budget: Budget,
-                   sensitivity: Mapping[str, float]) -> BudgetChoice:
-    """Widen candidates to bf16 by sensitivity per extra byte while the weights fit the budget."""
+                   sensitivity: Mapping[str, float], head_copy: bool = False) -> BudgetChoice:
+    """Widen candidates to bf16 by sensitivity per extra byte while the weights fit the budget. head_copy: lm_head
+    is an INT8 copy of a tied embedding table (impc/compile.py head_copy_spec)."""
     shapes = spec.tensor_shapes()
     base = weights_bytes(spec, dict(formats))
-    # an INT8 head is budgeted as bf16: the bytes it saves go to the body (SmolLM2 untied, at a bf16 head's step
-    # bytes: KL 0.030 against 0.044; scripts/head_int8_whole.py)
-    ref = weights_bytes(spec, {**formats, "lm_head": "bf16"}) if formats.get("lm_head") == "int8" else base
-    limit = budget.bytes_for(ref)
+    if head_copy and budget.factor is not None:
+        # a factor of the tied model's bytes, plus the copy: the body gets what it gets with the table as the head,
+        # so the copy changes the head alone (its error, and half the head's bytes a step)
+        copy = tensor_bytes(shapes["lm_head"], formats["lm_head"])
+        limit = budget.bytes_for(base - copy) + copy
+    else:
+        # an INT8 head is budgeted as bf16: the bytes it saves go to the body (SmolLM2 untied, at a bf16 head's step
+        # bytes: KL 0.030 against 0.044; scripts/head_int8_whole.py)
+        ref = weights_bytes(spec, {**formats, "lm_head": "bf16"}) if formats.get("lm_head") == "int8" else base
+        limit = budget.bytes_for(ref)
     if limit < base:
         raise CompileError(f"--budget {budget}: {limit / GiB:.3f} GiB is less than the all-NVFP4 weights "
                            f"({base / GiB:.3f} GiB)")

@@ -26,7 +26,8 @@ def _add_compile(sub) -> None:
                         "(a scale a row) costs KL 0.0017 on SmolLM2's head alone and reads half the head's bytes; "
                         "the byte budget counts it as bf16, so at the same step bytes the bundle's KL is 0.030 "
                         "against 0.044 with a bf16 head (scripts/head_int8_whole.py); nvfp4 is --quant-head. A "
-                        "tied head is the embedding table: --quant-embed")
+                        "tied head is the embedding table (bf16, or NVFP4 with --quant-embed); int8 stores an INT8 "
+                        "copy of it as the head (half the table's bytes more memory, half the head's bytes a step)")
     p.add_argument("--scale-search", action="store_true",
                    help="search each block's E4M3 scale for the least squared error (default: amax / 6)")
     p.add_argument("--no-calib", dest="calibrate", action="store_false",

@@ -108,16 +108,35 @@ def head_format(spec: ModelSpec, opts: CompileOptions) -> str:
     real weights untied): at the step bytes of a bf16 head the bundle's KL is 0.030 instead of 0.044 (the byte
     budget counts an INT8 head as bf16, impc/budget.py, so the bytes it saves go to the body), and without a budget
     (--no-calib, synthetic weights) a step reads half the head's bytes (the 8B shape: b1 +5.8%, b8 +3.8% on the
-    H200); bf16 for a tied head (the embedding table) and for --quant bf16."""
+    H200); bf16 for --quant bf16, and for a tied head (the embedding table): an INT8 copy of it (head_copy_spec,
+    --head-format int8) measured KL 0.0513 against 0.0494 on SmolLM2 (the same body; impc eval, 2,000 tokens) for a
+    step only 1.6% faster at one row on the H200 (BENCHMARKS.md, twenty-seventh session)."""
     fmt = opts.head_format
     if fmt == "auto":
         return "bf16" if spec.tie_embeddings or opts.quant == "bf16" else "int8"
     if fmt not in ("bf16", "int8", "nvfp4"):
         raise CompileError(f"--head-format {fmt}: choose auto, bf16, int8 or nvfp4")
-    if fmt == "int8" and spec.tie_embeddings:
-        raise CompileError("--head-format int8: this model's head is tied (the embedding table is the head), and "
-                           "the table is stored bf16 or NVFP4 only; use --quant-embed for NVFP4")
+    if fmt == "int8" and spec.tie_embeddings and opts.quant_embed:
+        raise CompileError("--head-format int8 with --quant-embed: this model's head is tied, and an NVFP4 table "
+                           "is its own head; drop one of the two")
     return fmt
+
+
+def head_copy_spec(spec: ModelSpec, opts: CompileOptions) -> ModelSpec:
+    """The spec a bundle is built for: a tied head whose format is INT8 is stored apart from the table, as an
+    untied head made from the embedding (the table stays bf16 for the lookups; the copy costs half the table's
+    bytes of memory); a step reads half the head's bytes."""
+    if spec.tie_embeddings and head_format(spec, opts) == "int8":
+        return dataclasses.replace(spec, tie_embeddings=False)
+    return spec
+
+
+def with_head_copy(tensors, spec: ModelSpec, bundle_spec: ModelSpec):
+    """The checkpoint's tensors, and the embedding again as lm_head where head_copy_spec untied the head."""
+    for name, w in tensors:
+        yield name, w
+        if name == "embed" and spec.tie_embeddings and not bundle_spec.tie_embeddings:
+            yield "lm_head", w
 
 
 def describe_spec(spec: ModelSpec) -> str:
@@ -140,7 +159,7 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
 
 
 def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: CompileOptions,
-                   p: Progress, checkpoint=None) -> Quantized:
+                   p: Progress, checkpoint=None, head_copy: bool = False) -> Quantized:
     """Stage 3: every canonical tensor into its stored format, with the error each introduced. With
     calibration (NVFP4 and a checkpoint's tokenizer at hand): GPTQ on the calibration activations and
     the byte budget's choice of tensors kept in bf16 (impc/quantize_calibrated.py)."""
@@ -149,7 +168,7 @@ def quantize_stage(spec: ModelSpec, tensors, formats: dict[str, str], opts: Comp
     calibrated = None
     if opts.calibrate and opts.quant == "nvfp4" and checkpoint is not None:
         from impc.quantize_calibrated import quantize_calibrated
-        calibrated = quantize_calibrated(spec, tensors, formats, opts, checkpoint, p)
+        calibrated = quantize_calibrated(spec, tensors, formats, opts, checkpoint, p, head_copy)
         tensors, formats = calibrated.weights.items(), calibrated.formats
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, dict] = {}
@@ -262,13 +281,15 @@ def default_name(source: Path) -> str:
 
 def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str], quant: dict[str, dict],
                    tokenizer: dict, generation: dict, plan: dict, emitted: list[Emitted], source: str,
-                   checkpoint_sha256: str, calibration: dict | None = None, name: str | None = None, **extra) -> dict:
+                   checkpoint_sha256: str, calibration: dict | None = None, name: str | None = None,
+                   head_copy: bool = False, **extra) -> dict:
     return {
         "name": opts.name or name or source,
         "model": spec.to_dict(),
         **extra,
         "quantization": {"mode": opts.quant, "scale_search": opts.scale_search, "embed": formats["embed"],
-                         "lm_head": formats.get("lm_head", "tied"), "calibration": calibration, "tensors": quant},
+                         "lm_head": formats.get("lm_head", "tied"), "head_copy_of_embed": head_copy,
+                         "calibration": calibration, "tensors": quant},
         "tokenizer": tokenizer,
         "generation": generation,
         "plan": plan,
@@ -298,8 +319,11 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     p.stage(f"load {opts.model}")
     ck = load_checkpoint(opts.model)
     family = family_for(ck.config)
-    spec = family.spec(ck.config)
-    p.info(describe_spec(spec))
+    ck_spec = family.spec(ck.config)
+    spec = head_copy_spec(ck_spec, opts)
+    p.info(describe_spec(ck_spec))
+    if spec is not ck_spec:
+        p.info("the tied head stored apart in INT8 (the embedding table stays bf16): --head-format bf16 keeps it tied")
     formats, targets, plan = plan_stage(spec, opts, p)
     # The kernels depend on the model's shape and the targets only (not on the formats the byte budget picks),
     # so nvcc runs in its own process while the weights are quantized: the two longest stages overlap.
@@ -312,7 +336,8 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     with ThreadPoolExecutor(max_workers=1, initializer=background_priority) as nvcc_pool:
         omit = opts.omitted_kernels(spec, targets)
         kernels = nvcc_pool.submit(emit, spec, targets, plan, omit)
-        q = quantize_stage(spec, family.tensors(spec, ck), formats, opts, p, ck)
+        q = quantize_stage(spec, with_head_copy(family.tensors(ck_spec, ck), ck_spec, spec), formats, opts, p, ck,
+                           head_copy=spec is not ck_spec)
         if q.formats != formats:
             formats, targets, plan = plan_stage(spec, opts, p, q.formats)
         arrays, quant = q.arrays, q.tensors
@@ -328,7 +353,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     generation = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, generation, plan, emitted,
                               source=Path(ck.path).name, checkpoint_sha256=ck.source_hash(), calibration=q.calibration,
-                              name=default_name(Path(ck.path)))
+                              name=default_name(Path(ck.path)), head_copy=spec is not ck_spec)
     write_bundle(out, manifest, arrays, texts, {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})
     p.stage("done")
     return manifest

@@ -147,6 +147,14 @@ class _Emitter:
                                     tuple((b, int(n)) for b, n in writes if n)))
 
 
+def gv_i8_tiles(k: int) -> dict[int, int]:
+    """GV_I8_TILES for a head of K = k: at small K a tile's 16 rows are few bytes (SmolLM2's 576: 9 KB a block, two
+    blocks an SM), too few in flight, so one to four rows take four tiles a block (each row's MMAs and their order
+    unchanged: the same bits). SmolLM2 shape's INT8 head at one row (H200): 23.2 us with one tile, 19.0 with two,
+    17.9 with four, 32.9 with eight (BENCHMARKS.md, twenty-seventh session)."""
+    return {**GV_I8_TILES, 1: 4, 2: 4, 4: 4} if k <= 1024 else GV_I8_TILES
+
+
 class LinearLaunches:
     """ProgramBuilder's linear layers (a mixin: it reads the builder's spec, formats, target, options, buffers and
     the phase being built: rows_max, wg_layers, wq, MB)."""
@@ -338,7 +346,7 @@ class LinearLaunches:
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
         if planes:
-            tiles = -(-lin.n // (16 * GV_I8_TILES[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
+            tiles = -(-lin.n // (16 * gv_i8_tiles(lin.k)[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
             kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, tiles)
             norm_args, norm_reads, norm_writes = self.ring_norm(kern, lin, m, partial_norm, scaled)
             e.add(kern, (grid,), (256,),

@@ -36,14 +36,14 @@ class CalibratedQuant:
 
 
 def quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
-                        opts, checkpoint, p: Progress) -> CalibratedQuant:
+                        opts, checkpoint, p: Progress, head_copy: bool = False) -> CalibratedQuant:
     """One BLAS thread throughout: a matrix product's rounding depends on how the library splits it
     between threads, and every rounding decision here depends on those products, so the bundle's bytes
     would depend on the machine's core count. (On a busy machine one thread is also the faster.)"""
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"), heap_reuse():
-        return _quantize_calibrated(spec, tensors, formats, opts, checkpoint, p)
+        return _quantize_calibrated(spec, tensors, formats, opts, checkpoint, p, head_copy)
 
 
 # glibc's mallopt parameters
@@ -92,7 +92,7 @@ def heap_reuse(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30):
 
 
 def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]], formats: dict[str, str],
-                         opts, checkpoint, p: Progress) -> CalibratedQuant:
+                         opts, checkpoint, p: Progress, head_copy: bool = False) -> CalibratedQuant:
     budget = parse_budget(opts.budget)
     shapes = spec.tensor_shapes()
     weights: dict[str, np.ndarray] = {}
@@ -151,7 +151,7 @@ def _quantize_calibrated(spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarra
             sensitivity = bg.results(cands, p)
             p.info(f"sensitivity of {len(cands)} tensors (measured alongside GPTQ): {time.perf_counter() - t0:.1f} s "
                    "more after it")
-    choice = choose_formats(spec, formats, budget, sensitivity)
+    choice = choose_formats(spec, formats, budget, sensitivity, head_copy)
     p.info(f"budget {budget}: {len(choice.widened)} of {len(cands)} tensors kept in bf16, weights "
            f"{choice.weights_bytes / GiB:.3f} GiB of {choice.budget_bytes / GiB:.3f} "
            f"(all-NVFP4 {choice.base_bytes / GiB:.3f})")

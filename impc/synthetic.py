@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from impc.errors import CompileError
-from impc.compile import CompileOptions, build_manifest, describe_spec, emit_stage, plan_stage, program_stage
+from impc.compile import (CompileOptions, build_manifest, describe_spec, emit_stage, head_copy_spec, plan_stage,
+                          program_stage)
 from impc.emit import emit
 from impc.families import family_for
 from impc.progress import Progress
@@ -46,9 +47,10 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
         raise CompileError(f"{path}: cannot read the config ({e})") from None
     if "text_config" in config and "hidden_size" not in config:
         config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "gemma3_text")}
-    spec = family_for(config).spec(config)
+    ck_spec = family_for(config).spec(config)
+    spec = head_copy_spec(ck_spec, opts)       # a tied head's INT8 copy: generated as an untied head of its own
     p.stage(f"synthetic {spec.family} from {path.name} (weights from seed {seed})")
-    p.info(describe_spec(spec))
+    p.info(describe_spec(ck_spec))
     formats, targets, plan = plan_stage(spec, opts, p)
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
@@ -58,7 +60,8 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
                  "pad_token": None, "unk_token": "<unk>", "eos_token_ids": [2], "add_bos": False}
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, {}, plan, emitted, source=path.name,
-                              checkpoint_sha256="synthetic", name=path.stem, synthetic={"seed": int(seed), "config": path.name})
+                              checkpoint_sha256="synthetic", name=path.stem, head_copy=spec is not ck_spec,
+                              synthetic={"seed": int(seed), "config": path.name})
     p.stage(f"write {out}")
     write_bundle(out, manifest, {}, {"tokenizer.json": stub_tokenizer_json(spec.vocab_size)},
                  {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})

@@ -19,13 +19,14 @@ import os  # noqa: E402
 
 OUT = Path(os.environ.get("IMP_GPU_BUNDLES", ROOT / "build" / "gpu-bundles"))
 TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2", "llama-qe": "llama",
-        "llama-i8": "llama",
+        "llama-i8": "llama", "qwen3-i8": "qwen3",
         "llama-mixed": "llama", "qwen3-wide": "qwen3_wide", "qwen3-wide-i8": "qwen3_wide_untied", "qwen3-pen": "qwen3",
         "qwen3-rope": "qwen3", "qwen2-rope": "qwen2",     # -rope: --rope-in-attention
         "qwen3-qkvepi": "qwen3_wide",   # --prefill-qkv-epilogue (heads of 64: the qkv GEMM's fused epilogue)
         "llama-bf16": "llama",          # all bf16 (--quant bf16): qkv / gate_up norm in their GEMV's prologue (default)
         "llama-bf16-np": "llama"}       # ... with --no-norm-prologue-bf16: the norm a launch before them
-# llama-i8: the output head INT8 with a scale a row (--head-format int8)
+# llama-i8: the output head INT8 with a scale a row (--head-format int8); qwen3-i8: the tied qwen3's head as an INT8 copy
+# of its table (--head-format int8 on a tied model)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0, "qwen3-wide-i8": 0}

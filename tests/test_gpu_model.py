@@ -53,7 +53,7 @@ def logits_run(ex, tokens, n_prompt, chunk: int | None = None):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "llama-mixed", "qwen3-wide", "qwen3-rope",
-                                  "qwen2-rope", "llama-i8", "llama-bf16", "llama-bf16-np"])
+                                  "qwen2-rope", "llama-i8", "qwen3-i8", "llama-bf16", "llama-bf16-np"])
 def test_tiny_logits(name):
     cpu, gpu = executors(gpu_bundle(name))
     try:

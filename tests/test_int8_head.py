@@ -206,6 +206,62 @@ def test_nvfp4_body_leaves_the_int8_head_alone(llama_pair, tmp_path):
     assert np.array_equal(raw["lm_head.codes"].astype(np.int64), want_codes)
 
 
+
+# ------------------------------------------------------------------ a tied head's INT8 copy
+
+
+def test_tied_head_stored_as_an_int8_copy(checkpoints, tmp_path):
+    """--head-format int8 on a tied model: the table stays bf16 for the lookups and an INT8 copy of it is the head
+    (an untied bundle); the cpu executor's logits are transformers' final hidden states times that copy."""
+    import torch
+    import transformers as tf
+
+    ck = checkpoints("llama_tied")
+    tied = compile_model(CompileOptions(model=str(ck), out=tmp_path / "tied", quant="bf16", targets="none",
+                                        max_context=256))
+    m = compile_model(CompileOptions(model=str(ck), out=tmp_path / "copy", quant="bf16", targets="none",
+                                     max_context=256, head_format="int8"))
+    assert tied["model"]["tie_embeddings"] is True and tied["quantization"]["lm_head"] == "tied"
+    assert m["model"]["tie_embeddings"] is False and m["quantization"]["head_copy_of_embed"] is True
+    ref, b = load_bundle(tmp_path / "tied"), load_bundle(tmp_path / "copy")
+    assert b.tensors["lm_head"]["format"] == "int8" and b.tensors["embed"]["format"] == "bf16"
+    table = ref.float_weights()["embed"]
+    assert np.array_equal(b.float_weights()["embed"], table)
+    raw = b.raw_weights()
+    want_codes, want_rscale = reference_int8(table)
+    assert np.array_equal(raw["lm_head.rscale"], want_rscale)
+    assert np.array_equal(raw["lm_head.codes"].astype(np.int64), want_codes)
+    # the memory plan holds the copy beside the table
+    n, k = b.spec.vocab_size, b.spec.hidden
+    assert b.manifest["plan"]["weights_bytes"] - ref.manifest["plan"]["weights_bytes"] == n * k + 4 * n
+
+    tokens = np.random.default_rng(5).integers(4, n, PROMPT_LEN + DECODE_STEPS).tolist()
+    got = _executor_logits(b, tokens)
+    model = tf.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        h = model.model(torch.tensor([tokens])).last_hidden_state[0].numpy().astype(np.float64)
+    head = raw["lm_head.codes"].astype(np.float64) * raw["lm_head.rscale"].astype(np.float64)[:, None]
+    want = h @ head.T
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+    base = _executor_logits(ref, tokens)            # the tied bf16 head: close, and not the same
+    assert 0 < np.max(np.abs(got - base)) and np.mean(np.argmax(got, 1) == np.argmax(base, 1)) >= 0.9
+
+
+def test_tied_head_copy_leaves_the_body_budget_alone(checkpoints, tmp_path):
+    """Calibrated NVFP4 with a budget factor: the copy's bytes are added to the tied model's budget, so the body
+    keeps in bf16 exactly the tensors it keeps with the table as the head (the copy changes the head alone)."""
+    ck = checkpoints("llama_tied")
+    opts = dict(targets="none", max_context=256, budget="1.2")
+    tied = compile_model(CompileOptions(model=str(ck), out=tmp_path / "tied", **opts))
+    m = compile_model(CompileOptions(model=str(ck), out=tmp_path / "copy", head_format="int8", **opts))
+    bt, bc = tied["quantization"]["calibration"]["budget"], m["quantization"]["calibration"]["budget"]
+    assert bt["widened"] and bc["widened"] == bt["widened"]
+    spec = load_bundle(tmp_path / "copy").spec
+    n, k = spec.vocab_size, spec.hidden
+    copy = n * k + 4 * n
+    assert bc["budget_bytes"] == bt["budget_bytes"] + copy and bc["base_bytes"] == bt["base_bytes"] + copy
+    assert bc["weights_bytes"] == bt["weights_bytes"] + copy
+
 # ------------------------------------------------------------------ options and refusals
 
 
@@ -218,9 +274,9 @@ def test_options_agree():
 def test_refusals(checkpoints, tmp_path, capsys):
     from impc.cli import main
 
-    with pytest.raises(CompileError, match=r"tied .*the embedding table is the head.*--quant-embed"):
+    with pytest.raises(CompileError, match=r"--head-format int8 with --quant-embed: .*tied"):
         compile_model(CompileOptions(model=str(checkpoints("llama_tied")), out=tmp_path / "a", targets="none",
-                                     quant="bf16", head_format="int8"))
+                                     head_format="int8", quant_embed=True))
     with pytest.raises(CompileError, match=r"--quant-head .*--head-format int8"):
         compile_model(CompileOptions(model=str(checkpoints("llama")), out=tmp_path / "b", targets="none",
                                      quant_head=True, head_format="int8"))
