@@ -155,6 +155,13 @@ def gv_i8_tiles(k: int) -> dict[int, int]:
     return {**GV_I8_TILES, 1: 4, 2: 4, 4: 4} if k <= 1024 else GV_I8_TILES
 
 
+def bf16w_ok(lin) -> bool:
+    """A bf16 GEMV at one row on gemv_bf16w_nb1 (templates/gemv.cu.j2, emitted where HIDDEN <= 1024): the output head
+    (K = HIDDEN). SmolLM2 shape's tied bf16 head (H200): 24.7 -> 19.5 us (54 -> 69% of the copy bandwidth), a step at
+    one row +1.1% (BENCHMARKS.md, twenty-seventh session)."""
+    return lin.name in ("embed", "lm_head") and lin.k <= 1024
+
+
 class LinearLaunches:
     """ProgramBuilder's linear layers (a mixin: it reads the builder's spec, formats, target, options, buffers and
     the phase being built: rows_max, wg_layers, wq, MB)."""
@@ -348,6 +355,8 @@ class LinearLaunches:
         if planes:
             tiles = -(-lin.n // (16 * gv_i8_tiles(lin.k)[nb])) if lin.fmt == "int8" else (lin.n + 15) // 16
             kern, grid, smem = self.gemv_launch(f"gemv_{lin.fmt}_nb{nb}", lin, nb, tiles)
+            if kern == "gemv_bf16_nb1" and bf16w_ok(lin):
+                kern = "gemv_bf16w_nb1"
             norm_args, norm_reads, norm_writes = self.ring_norm(kern, lin, m, partial_norm, scaled)
             e.add(kern, (grid,), (256,),
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode), *norm_args],
