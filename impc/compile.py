@@ -10,6 +10,7 @@ import numpy as np
 from impc import __version__
 from impc.checkpoint import load_checkpoint
 from impc.errors import CompileError
+from impc.cutlass import add_cutlass, cutlass_root
 from impc.emit import Emitted, compiler_record, emit, nvcc_path, template_hashes
 from impc.families import family_for
 from impc.launches import ProgramOptions, build_program, kernels_not_launched
@@ -270,6 +271,17 @@ def program_stage(spec: ModelSpec, formats: dict[str, str], targets: list[dict],
     return files
 
 
+def cutlass_file(target: str) -> str:
+    return f"kernels/{target}.cutlass.cubin"
+
+
+def kernel_files(emitted: list[Emitted]) -> dict[str, bytes]:
+    """The bundle's cubins: one a target, and the CUTLASS kernels' beside it where built."""
+    files = {f"kernels/{e.target}.cubin": e.cubin for e in emitted}
+    files.update({cutlass_file(e.target): e.cutlass for e in emitted if e.cutlass})
+    return files
+
+
 def program_file(target: str) -> str:
     return f"program/{target}.json"
 
@@ -295,6 +307,8 @@ def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str
         "plan": plan,
         "kernels": {"targets": [e.target for e in emitted],
                     "cubins": {e.target: f"kernels/{e.target}.cubin" for e in emitted},
+                    **({"cutlass_cubins": {e.target: cutlass_file(e.target) for e in emitted if e.cutlass}}
+                       if any(e.cutlass for e in emitted) else {}),
                     "functions": {e.target: e.kernels for e in emitted},
                     "programs": {e.target: program_file(e.target) for e in emitted}},
         "build": {"imp_version": __version__, "source": source, "checkpoint_sha256": checkpoint_sha256,
@@ -330,6 +344,8 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     from concurrent.futures import ThreadPoolExecutor
     if targets:
         nvcc_path()                   # a missing compiler is said now, not after quantization
+        if opts.prefill_gemm == "cutlass":
+            cutlass_root()            # ... and missing CUTLASS headers
     from impc.budget import background_priority
     from impc.quantize_calibrated import one_malloc_arena
     one_malloc_arena()
@@ -341,7 +357,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
         if q.formats != formats:
             formats, targets, plan = plan_stage(spec, opts, p, q.formats)
         arrays, quant = q.arrays, q.tensors
-        emitted = emit_stage(spec, targets, plan, p, kernels.result())
+        emitted = add_cutlass(emit_stage(spec, targets, plan, p, kernels.result()), opts.prefill_gemm, p)
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p)
 
     p.stage(f"write {out}")
@@ -354,6 +370,6 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, generation, plan, emitted,
                               source=Path(ck.path).name, checkpoint_sha256=ck.source_hash(), calibration=q.calibration,
                               name=default_name(Path(ck.path)), head_copy=spec is not ck_spec)
-    write_bundle(out, manifest, arrays, texts, {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})
+    write_bundle(out, manifest, arrays, texts, {**kernel_files(emitted), **programs})
     p.stage("done")
     return manifest

@@ -34,6 +34,7 @@ class Emitted:
     source: str
     kernels: list[str]
     cached: bool
+    cutlass: bytes | None = None       # --prefill-gemm cutlass: the CUTLASS kernels' cubin (impc/cutlass.py)
 
 
 def nvcc_path() -> Path:

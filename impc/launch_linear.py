@@ -191,6 +191,32 @@ class LinearLaunches:
         """gate_up on the wgmma GEMM from an expanded NVFP4 copy: the GEMM's epilogue applies act(gate) * up."""
         return self.wg_layers and lin.fmt == "nvfp4"
 
+    def cutlass_ok(self, lin: _Lin, mode: int, rope) -> bool:
+        """--prefill-gemm cutlass: a phase past WG_MID_CHUNK rows, bf16 weights (alpha 1: NVFP4's fp16 copies need
+        their tensor scale from the device, not yet built), a plain or residual-adding GEMM (no fused epilogue)."""
+        return (self.opt.prefill_gemm == "cutlass" and self.target["name"] == "sm_90a" and lin.fmt == "bf16"
+                and mode in (0, 1) and rope is None and self.rows_max > WG_MID_CHUNK and lin.k % 8 == 0
+                and lin.n % 4 == 0)
+
+    def linear_cutlass(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int) -> None:
+        """out[rows, N] (= | +=) a[rows, K] @ W^T by CUTLASS's kernel (impc/cutlass.py): one argument, its Params,
+        from the table of this shape; the runtime encodes the four descriptors over a, W and out and, each step, writes
+        the row bucket's words and grid."""
+        from impc.cutlass import params_table, table_key
+        m = ev(rows, self.rows_max, self.MB)
+        rows_a = self.buffers[a].bytes // (lin.k * 2)
+        rows_out = self.buffers[out].bytes // (lin.n * 4)
+        rmax = min(self.rows_max, rows_a, rows_out)
+        key = table_key(lin.fmt, lin.n, lin.k, mode, rmax)
+        if key not in self.cutlass_tables:
+            self.cutlass_tables[key] = params_table(lin.fmt, lin.n, lin.k, float(mode), rmax, self.sm_count)
+        t = self.cutlass_tables[key]
+        self.kernel_smem[t["kernel"]] = t["smem"]
+        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode == 1 else [])
+        e.add(t["kernel"], tuple(t["grids"][-1]), tuple(t["block"]),
+              [{"cutlass": {"table": key, "rows": rows, "A": a, "W": lin.name, "C": out, "D": out}}],
+              reads, [(out, m * lin.n * 4)], smem=t["smem"])       # (not a PDL kernel: it has no pdl_wait)
+
     def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, rope=None) -> None:
         """Prefill on Hopper: out[rows, N] (= | +=) a[rows, K] @ W^T with the TMA + wgmma GEMM over 16-bit
         operands; NVFP4 weights from their fp16 copy, or expanded into `wdq` first (prefill_weights_mode).
@@ -199,6 +225,8 @@ class LinearLaunches:
         the KV append in its epilogue (gemm_wgp_qkv_f16): q and layer i's KV pages written, not out."""
         m = ev(rows, self.rows_max, self.MB)
         out_bytes = m * lin.n * 4 if mode < 2 else m * lin.n // 2 * 2
+        if self.cutlass_ok(lin, mode, rope):
+            return self.linear_cutlass(e, a, lin, out, rows, mode)
         if lin.fmt == "nvfp4":
             wbuf = lin.name + ".f16"
             if self.wg_mode == "dequant":

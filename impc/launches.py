@@ -51,7 +51,7 @@ class ProgramOptions:
     prefill_qkv_epilogue: bool = False  # Hopper large prefill phases: q / k norm, RoPE and the KV append in the qkv
                                         # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; measured no faster)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
-                                      # GEMM) or tiles (the per-tile one)
+                                      # GEMM), tiles (the per-tile one) or cutlass (CUTLASS's, bf16 weights: cutlass.py)
     norm_prologue_bf16: bool = True   # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
                                       # norm_fused; SmolLM2 shape all bf16 b1 +6.4%, BENCHMARKS.md)
 
@@ -167,6 +167,7 @@ class ProgramBuilder(LinearLaunches):
             if self.ad["smem3"]:
                 self.kernel_smem["attn_decode_rope_f16_r3"] = self.ad["smem3"] + self.ad["q_smem"]
         self.buffers: dict[str, Buffer] = {}
+        self.cutlass_tables: dict[str, dict] = {}       # impc/cutlass.py params_table, by table_key
 
     # ------------------------------------------------------------------ arena
 
@@ -536,6 +537,8 @@ class ProgramBuilder(LinearLaunches):
                   "prefill_chunk": self.chunk, "vocab_size": self.spec.vocab_size, "hidden": self.spec.hidden,
                   "rows": self.R, "logit_rows": self.MB, "max_segments": MAX_SEGMENTS, "fa_query_tile": self.fa_qt,
                   "fa_tile_ints": FA_TILE_INTS}
+        if self.cutlass_tables:
+            consts["cutlass"] = self.cutlass_tables
         symbols = {"rows": self.R, "start": self.max_context - 1, "slot": self.max_seqs - 1, "row0": self.R - 1,
                    "dec": self.max_batch, "prows": self.R, "qtiles": max_tiles(self.R),
                    "srows": self.max_batch, "schunks": MAX_SEGMENTS}

@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 from impc.errors import CompileError
-from impc.compile import (CompileOptions, build_manifest, describe_spec, emit_stage, head_copy_spec, plan_stage,
-                          program_stage)
+from impc.compile import (CompileOptions, build_manifest, describe_spec, emit_stage, head_copy_spec, kernel_files,
+                          plan_stage, program_stage)
+from impc.cutlass import add_cutlass
 from impc.emit import emit
 from impc.families import family_for
 from impc.progress import Progress
@@ -54,7 +55,8 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     formats, targets, plan = plan_stage(spec, opts, p)
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
-    emitted = emit_stage(spec, targets, plan, p, emit(spec, targets, plan, opts.omitted_kernels(spec, targets)))
+    emitted = add_cutlass(emit_stage(spec, targets, plan, p, emit(spec, targets, plan, opts.omitted_kernels(spec, targets))),
+                          opts.prefill_gemm, p)
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p, seed=int(seed))
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",
@@ -64,6 +66,6 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
                               synthetic={"seed": int(seed), "config": path.name})
     p.stage(f"write {out}")
     write_bundle(out, manifest, {}, {"tokenizer.json": stub_tokenizer_json(spec.vocab_size)},
-                 {**{f"kernels/{e.target}.cubin": e.cubin for e in emitted}, **programs})
+                 {**kernel_files(emitted), **programs})
     p.stage("done")
     return manifest

@@ -78,15 +78,23 @@ def pdl_attribute():
 class Module:
     """A loaded cubin and its kernels by name."""
 
-    def __init__(self, cubin: bytes):
-        self._data = np.frombuffer(cubin, dtype=np.uint8).copy()
-        self.module = check(cu.cuModuleLoadData(self._data.ctypes.data))
+    def __init__(self, cubin: bytes, *more: bytes):
+        """One cubin, and any more a bundle carries (its CUTLASS kernels: impc/cutlass.py); a kernel is looked up
+        in each in turn."""
+        self._data = [np.frombuffer(c, dtype=np.uint8).copy() for c in (cubin, *more)]
+        self.modules = [check(cu.cuModuleLoadData(d.ctypes.data)) for d in self._data]
+        self.module = self.modules[0]
         self.funcs: dict[str, object] = {}
 
     def func(self, name: str):
         f = self.funcs.get(name)
         if f is None:
-            f = check(cu.cuModuleGetFunction(self.module, name.encode()))
+            for i, m in enumerate(self.modules):
+                err, f = cu.cuModuleGetFunction(m, name.encode())
+                if err == cu.CUresult.CUDA_SUCCESS:
+                    break
+                if i == len(self.modules) - 1:
+                    check((err, f))
             self.funcs[name] = f
         return f
 
@@ -132,6 +140,20 @@ def dtoh(arr: np.ndarray, src: int, stream) -> np.ndarray:
 
 _TMAP_DTYPES = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
                 "u8": "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
+
+
+def tensor_map_bytes(ptr: int, tm: dict) -> bytes:
+    """The 128 bytes of a TMA descriptor at ptr with the arguments CUTLASS's host code would pass (a CUTLASS table's
+    "tmaps" entry, impc/cutlass.py: data type, rank, dims, strides of dims 1.., box, element strides, interleave,
+    swizzle, L2 promotion, out-of-bounds fill, as the driver's enum values)."""
+    rank = int(tm["rank"])
+    m = check(cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType(int(tm["dtype"])), rank, int(ptr), [cu.cuuint64_t(int(d)) for d in tm["dims"]],
+        [cu.cuuint64_t(int(s)) for s in tm["strides"]], [cu.cuuint32_t(int(b)) for b in tm["box"]],
+        [cu.cuuint32_t(int(e)) for e in tm["elem_strides"]], cu.CUtensorMapInterleave(int(tm["interleave"])),
+        cu.CUtensorMapSwizzle(int(tm["swizzle"])), cu.CUtensorMapL2promotion(int(tm["l2"])),
+        cu.CUtensorMapFloatOOBfill(int(tm["oob"]))))
+    return bytes((ctypes.c_uint64 * 16)(*[int(x) for x in m.opaque]))
 
 
 def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int) -> ctypes.Array:

@@ -27,6 +27,7 @@ class BoundLaunch:
     grid: list[int]
     symbolic_args: list[tuple[object, object, int]] = field(default_factory=list)   # (ctype, value, base)
     config: object | None = None      # CUlaunchConfig when launched with PDL
+    cutlass: "CutlassParams | None" = None    # a CUTLASS kernel's Params, patched for each step's rows
 
     def run(self, stream, env: dict[str, int] | None = None) -> None:
         x = self.launch
@@ -34,6 +35,8 @@ class BoundLaunch:
             for obj, v, base in self.symbolic_args:
                 obj.value = base + evaluate(v, env)
             self.grid = [evaluate(g, env) for g in x.grid]
+            if self.cutlass is not None:
+                self.grid = self.cutlass.for_rows(evaluate(self.cutlass.rows, env))
             if not all(self.grid):      # e.g. a prefill phase's decode-row launches in a step without decode rows
                 return
         if self.config is not None:
@@ -44,8 +47,34 @@ class BoundLaunch:
                                     ctypes.addressof(self.params), 0))
 
 
+class CutlassParams:
+    """A CUTLASS kernel's one argument (impc/cutlass.py): its table's Params bytes with the four TMA descriptors
+    encoded over the arena, and, for a step of r rows, row bucket ceil(r / tile)'s words written in and its grid."""
+
+    def __init__(self, table: dict, arg: dict, arena: DeviceArena):
+        from imp_runtime.cuda_driver import tensor_map_bytes
+        raw = bytes.fromhex(table["hex"])
+        self.buf = (ctypes.c_ubyte * len(raw)).from_buffer_copy(raw)
+        for tm in table["tmaps"]:
+            ctypes.memmove(ctypes.addressof(self.buf) + int(tm["offset"]),
+                           tensor_map_bytes(arena.ptr(arg[tm["operand"]]), tm), 128)
+        self.words = [(int(off), [int(v) for v in vals]) for off, vals in table["words"]]
+        self.grids = [list(g) for g in table["grids"]]
+        self.tile, self.rows = int(table["tile_m"]), arg["rows"]
+
+    def for_rows(self, rows: int) -> list[int]:
+        if rows < 1:
+            return [0, 0, 0]
+        b = min(-(-rows // self.tile), len(self.grids)) - 1
+        base = ctypes.addressof(self.buf)
+        for off, vals in self.words:
+            ctypes.c_uint32.from_address(base + off).value = vals[b]
+        return self.grids[b]
+
+
 def bind_launch(x: Launch, module: Module, arena: DeviceArena, env: dict[str, int]) -> BoundLaunch:
     values, symbolic = [], []
+    cutlass = None
     for a in x.args:
         if "ptr" in a:
             if a["ptr"] is None:
@@ -59,6 +88,10 @@ def bind_launch(x: Launch, module: Module, arena: DeviceArena, env: dict[str, in
         elif "tmap" in a:
             t = a["tmap"]
             obj = tensor_map(arena.ptr(t["ptr"]), t["dtype"], t["rows"], t["cols"], t["box_rows"], t["box_cols"])
+        elif "cutlass" in a:
+            c = a["cutlass"]
+            cutlass = CutlassParams(arena.program.constants["cutlass"][c["table"]], c, arena)
+            obj = cutlass.buf
         else:
             (kind, v), = a.items()
             obj = _CTYPES[kind](evaluate(v, env) if kind == "i32" else v)
@@ -66,8 +99,8 @@ def bind_launch(x: Launch, module: Module, arena: DeviceArena, env: dict[str, in
                 symbolic.append((obj, v, 0))
         values.append(obj)
     params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-    grid = [evaluate(g, env) for g in x.grid]
-    b = BoundLaunch(x, module.func(x.kernel), values, params, grid, symbolic)
+    grid = [evaluate(g, env) for g in x.grid] if cutlass is None else cutlass.for_rows(evaluate(cutlass.rows, env))
+    b = BoundLaunch(x, module.func(x.kernel), values, params, grid, symbolic, cutlass=cutlass)
     if x.pdl:
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
@@ -84,7 +117,8 @@ class BoundPhase:
         self.phase = phase
         env = dict(symbols, rows=phase.tokens)
         self.launches = [bind_launch(x, module, arena, env) for x in phase.launches]
-        self.symbolic = any(b.symbolic_args or any(symbols_of(g) for g in b.launch.grid) for b in self.launches)
+        self.symbolic = any(b.symbolic_args or b.cutlass is not None or any(symbols_of(g) for g in b.launch.grid)
+                            for b in self.launches)
         self.graph = None
 
     def run(self, stream, env: dict[str, int] | None = None) -> None:

@@ -101,7 +101,9 @@ class CudaExecutor:
         self.penalty_values = "pen_counts" in p.buffers         # compiled with --gpu-penalties: the step applies
         self.penalties_on_device = self.penalty_values          # each row's (a caller may leave them to the host)
         self.fa_qtile, self.fa_tile_ints = c.get("fa_query_tile", 128), c.get("fa_tile_ints", 8)
-        self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes())
+        more = [bundle.file(kern["cutlass_cubins"][self.target]).read_bytes()] \
+            if self.target in kern.get("cutlass_cubins", {}) else []      # --prefill-gemm cutlass
+        self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes(), *more)
         for name, nbytes in p.kernel_smem.items():
             self.module.set_max_dynamic_smem(name, nbytes)
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))

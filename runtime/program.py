@@ -10,7 +10,8 @@ file). It has two parts:
 
 An argument is a buffer reference (`{"ptr": name, "offset": v}`, or `{"ptr": null}` for a null pointer),
 a TMA descriptor over a buffer (`{"tmap": {"ptr", "dtype", "rows", "cols", "box_rows", "box_cols"}}`, built by
-the runtime at bind time, passed by value) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
+the runtime at bind time, passed by value), a CUTLASS kernel's Params (`{"cutlass": {"table", "rows", "A", "W",
+"C", "D"}}`: the bytes and descriptors of `constants["cutlass"][table]` over those buffers, impc/cutlass.py) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
 symbol `{"sym": name, "mul": a, "ceil_div": d, "add": c}` = ceil(sym * a / d) + c. Decode phases use no
 symbols (their per-step values live in the `step` buffers, so a phase is captured once as a CUDA graph);
 prefill and logits phases use `rows` (rows of x in this call), `dec` and `prows` (a prefill call's
@@ -246,6 +247,41 @@ def _check_tmap(p: Program, t, at: str) -> None:
                            f"multiple of 16 up to 256; at most 256 rows)")
 
 
+# CUtensorMapDataType -> bytes an element
+_TMAP_SIZES = {0: 1, 1: 2, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 4, 11: 4}
+
+
+def _check_cutlass(p: Program, c, env: dict, at: str) -> set[str]:
+    """A CUTLASS kernel's Params argument (impc/cutlass.py): its table in constants["cutlass"], a buffer for each
+    operand, each descriptor's extent inside its operand's buffer, each patched word inside the Params bytes, a grid
+    for each row bucket up to the rows at the symbols' largest values. Returns the symbols it uses."""
+    try:
+        t = p.constants["cutlass"][c["table"]]
+        n = len(t["hex"]) // 2
+        tile, grids, words = int(t["tile_m"]), t["grids"], t["words"]
+        rows = c["rows"]
+        ops = {k: c[k] for k in ("A", "W", "C", "D")}
+    except (KeyError, TypeError, ValueError):
+        raise ProgramError(f"{at}: malformed CUTLASS argument {c!r}") from None
+    for tm in t["tmaps"]:
+        b = p.buffers.get(ops.get(tm["operand"]))
+        if b is None:
+            raise ProgramError(f"{at}: CUTLASS operand {tm['operand']} names buffer {ops.get(tm['operand'])!r}, which "
+                               "the arena lacks")
+        size = _TMAP_SIZES.get(int(tm["dtype"]), 0)
+        dims, strides = [int(d) for d in tm["dims"]], [int(s) for s in tm["strides"]]
+        extent = dims[0] * size + sum((d - 1) * s for d, s in zip(dims[1:], strides))
+        if not size or extent > b.bytes or not 0 <= int(tm["offset"]) <= n - 128:
+            raise ProgramError(f"{at}: CUTLASS descriptor of {tm['operand']} ({extent} bytes) does not fit buffer "
+                               f"{b.name} ({b.bytes} bytes) or its Params")
+    if any(not 0 <= int(off) <= n - 4 or len(v) != len(grids) for off, v in words):
+        raise ProgramError(f"{at}: CUTLASS table {c['table']} patches a word outside its Params")
+    r = evaluate(rows, env, gate=False)
+    if not 1 <= -(-r // tile) <= len(grids):
+        raise ProgramError(f"{at}: CUTLASS table {c['table']} has {len(grids)} row buckets, the launch {r} rows")
+    return symbols_of(rows)
+
+
 def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, graph: bool) -> None:
     if kernels is not None and x.kernel not in kernels:
         raise ProgramError(f"{at}: kernel not in the cubin")
@@ -273,6 +309,8 @@ def _check_launch(p: Program, x: Launch, env: dict, kernels, max_smem, at: str, 
                 raise ProgramError(f"{at}: pointer {b.name}+{evaluate(off, env)} outside its {b.bytes} bytes")
         elif "tmap" in a:
             _check_tmap(p, a["tmap"], at)
+        elif "cutlass" in a:
+            used |= _check_cutlass(p, a["cutlass"], env, at)
         else:
             (kind, v), = a.items()
             if kind not in ("i32", "u32", "u64", "f32"):

@@ -24,7 +24,8 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
         "qwen3-rope": "qwen3", "qwen2-rope": "qwen2",     # -rope: --rope-in-attention
         "qwen3-qkvepi": "qwen3_wide",   # --prefill-qkv-epilogue (heads of 64: the qkv GEMM's fused epilogue)
         "llama-bf16": "llama",          # all bf16 (--quant bf16): qkv / gate_up norm in their GEMV's prologue (default)
-        "llama-bf16-np": "llama"}       # ... with --no-norm-prologue-bf16: the norm a launch before them
+        "llama-bf16-np": "llama",       # ... with --no-norm-prologue-bf16: the norm a launch before them
+        "llama-bf16-cutlass": "llama"}  # ... with --prefill-gemm cutlass (CUTLASS's GEMM in the 512-row prefill phase)
 # llama-i8: the output head INT8 with a scale a row (--head-format int8); qwen3-i8: the tied qwen3's head as an INT8 copy
 # of its table (--head-format int8 on a tied model)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
@@ -64,7 +65,8 @@ def build(names: list[str]) -> None:
                                              gpu_penalties=name.endswith("-pen"),
                                              rope_in_attention=name.endswith("-rope"),
                                              prefill_qkv_epilogue=name.endswith("-qkvepi"),
-                                             norm_prologue_bf16=not name.endswith("-np")))
+                                             norm_prologue_bf16=not name.endswith("-np"),
+                                             prefill_gemm="cutlass" if name.endswith("-cutlass") else "auto"))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB,

@@ -954,3 +954,53 @@ def test_sampler_many_candidates(ex, top_k, top_p):
     order = kept[np.argsort(-row[kept], kind="stable")]
     top, bottom = order[:len(order) // 2], order[len(order) // 2:]
     assert counts[bottom].sum() > 0 and counts[top].sum() > counts[bottom].sum()
+
+
+@pytest.fixture(scope="module")
+def ex_cutlass():
+    """The tiny llama all bf16 with --prefill-gemm cutlass: its largest prefill phase's GEMMs on CUTLASS's kernel."""
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    e = CudaExecutor(load_bundle(gpu_bundle("llama-bf16-cutlass")), use_graphs=False)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("m", [1, 100, 128, 129, 300, 512])
+def test_cutlass_gemm(ex_cutlass, m):
+    """Each CUTLASS GEMM shape of the phase (qkv, gate_up: D = A W^T; o, down: D += A W^T in place) at a ragged row
+    count (the Params of its 128-row bucket written in by the runtime) against float64 products of the bf16 operands;
+    the rows of the bucket past m may be written (the buffers' spare rows), none past the bucket."""
+    from imp_runtime.cuda_program import bind_launch
+    ex = ex_cutlass
+    rng = np.random.default_rng(11 + m)
+    tokens = max(ex.prefill_buckets)
+    if m > tokens:
+        pytest.skip("more rows than the phase")
+    seen = set()
+    for x in ex.program.phase("prefill", tokens).launches:
+        if not x.kernel.startswith("cutlass_"):
+            continue
+        c = x.args[0]["cutlass"]
+        if c["table"] in seen:
+            continue
+        seen.add(c["table"])
+        t = ex.program.constants["cutlass"][c["table"]]
+        n, k, beta = t["n"], t["k"], t["beta"]
+        a = bf16_round(rng.standard_normal((m, k)) * rng.uniform(0.1, 3, (1, k)))
+        w = bf16_round(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)))
+        put(ex, c["A"], bf16_bits(a))
+        put(ex, c["W"], bf16_bits(w))
+        poison(ex, c["D"])
+        base = rng.standard_normal((m, n)).astype(np.float32)
+        put(ex, c["D"], base)
+        bind_launch(x, ex.module, ex.arena, dict(ex.program.symbols, rows=m, dec=0)).run(
+            ex.stream, dict(ex.program.symbols, rows=m, dec=0))
+        ex.synchronize()
+        bucket = min(-(-m // 128) * 128, t["rows_max"])
+        got = get(ex, c["D"], np.float32, bucket * n + 64)
+        ref = a.astype(np.float64) @ w.astype(np.float64).T + (base if beta else 0)
+        err = dot_rel(got[:m * n].reshape(m, n), ref, a, w, base if beta else None)
+        assert err <= TOL_F32, f"{c['table']}, {m} rows: error {err:.2e} of the products' magnitude"
+        assert np.all(got[bucket * n:].view(np.uint32) == 0xFFFFFFFF), "written past the row bucket"
+    assert len(seen) == 4, seen

@@ -52,6 +52,18 @@ def logits_run(ex, tokens, n_prompt, chunk: int | None = None):
     return np.concatenate(rows)
 
 
+def test_cutlass_prefill_logits():
+    """--prefill-gemm cutlass (all bf16): a 300-token prompt in one call runs the 512-row phase, its GEMMs on
+    CUTLASS's kernel, then a prefix-cached chunk and decode; logits against the cpu executor."""
+    cpu, gpu = executors(gpu_bundle("llama-bf16-cutlass"))
+    try:
+        toks = np.random.default_rng(4).integers(4, cpu.spec.vocab_size, 340).tolist()
+        ref, got = logits_run(cpu, toks, 320, chunk=300), logits_run(gpu, toks, 320, chunk=300)
+        assert rel(got, ref) <= 2e-2
+    finally:
+        gpu.close()
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen2", "llama-mixed", "qwen3-wide", "qwen3-rope",
                                   "qwen2-rope", "llama-i8", "qwen3-i8", "llama-bf16", "llama-bf16-np"])
 def test_tiny_logits(name):
