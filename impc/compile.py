@@ -267,6 +267,11 @@ def program_stage(spec: ModelSpec, formats: dict[str, str], targets: list[dict],
         step = prog.phase("decode", prog.buckets("decode")[0])
         p.info(f"{t['name']}: launch program, {len(step.launches)} launches a batch-1 decode step, "
                f"arena {prog.arena_bytes / 2**30:.2f} GiB ({prog.constants['kv_pages']} KV pages)")
+        if opts.prefill_gemm == "cutlass" and t["name"] == "sm_90a":
+            n = sum(x.kernel.startswith("cutlass_") for ph in prog.phases for x in ph.launches)
+            p.info(f"{t['name']}: {n} prefill launches on CUTLASS's GEMM" if n else
+                   f"{t['name']}: --prefill-gemm cutlass: no GEMM qualifies (bf16 weights in prefill phases past "
+                   "256 rows only, so far); the others run imp's")
         files[program_file(t["name"])] = dumps(prog).encode()
     return files
 

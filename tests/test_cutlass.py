@@ -108,3 +108,41 @@ def test_missing_headers_are_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CompileError, match="--prefill-gemm cutlass needs CUTLASS's headers: pip install"):
         cutlass.cutlass_root()
+
+
+def test_runtime_params_for_each_step(cutlass, monkeypatch):
+    """runtime/cuda_program.py CutlassParams without a GPU (the descriptor encoder stubbed to record its operand):
+    the bytes a launch passes at r rows are the probe's own Params at r rounded up to whole 128-row tiles, outside the
+    descriptors, which hold each operand's encoding at the arena address of the buffer the argument names."""
+    import ctypes
+
+    from imp_runtime import cuda_driver, cuda_program
+    t = cutlass.params_table("bf16", 6144, 4096, 1.0, 700, 132)
+    addr = {"ab": 0x1000, "layers.0.o": 0x2000, "x": 0x3000}
+    encoded = []
+
+    def fake_encode(ptr, tm):
+        encoded.append((tm["operand"], ptr))
+        return ptr.to_bytes(8, "little") * 16
+
+    class Arena:
+        def ptr(self, name):
+            return addr[name]
+
+    monkeypatch.setattr(cuda_driver, "tensor_map_bytes", fake_encode)
+    arg = {"table": "t", "rows": {"sym": "rows"}, "A": "ab", "W": "layers.0.o", "C": "x", "D": "x"}
+    p = cuda_program.CutlassParams(t, arg, Arena())
+    assert sorted(encoded) == [("A", 0x1000), ("C", 0x3000), ("D", 0x3000), ("W", 0x2000)]
+    desc = {}
+    for tm in t["tmaps"]:
+        desc.update({i: tm["operand"] for i in range(tm["offset"], tm["offset"] + 128)})
+    for rows in (1, 128, 129, 700, 300, 5):
+        grid = p.for_rows(rows)
+        m = min(-(-rows // 128) * 128, 700)
+        want = cutlass._probe("bf16", [(m, 6144, 4096, 1.0, 1.0, 132)], 0)[0]
+        assert grid == want["grid"]
+        got = bytes((ctypes.c_ubyte * len(p.buf)).from_buffer(p.buf))
+        ref = bytes.fromhex(want["hex"])
+        assert all(got[i] == ref[i] for i in range(len(ref)) if i not in desc), rows
+        for i, op in list(desc.items())[::128]:
+            assert got[i:i + 8] == {"A": 0x1000, "W": 0x2000, "C": 0x3000, "D": 0x3000}[op].to_bytes(8, "little")
