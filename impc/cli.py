@@ -72,8 +72,8 @@ def _add_compile(sub) -> None:
     p.add_argument("--prefill-gemm", default="auto", choices=["auto", "tiles", "cutlass"],
                    help="Hopper prefill GEMMs of chunks past 256 rows: auto (the persistent ping-pong GEMM) or "
                         "tiles (one block a 128 x 256 tile); cutlass: CUTLASS 3.x's persistent ping-pong kernel for the "
-                        "layers' bf16 weights (needs `pip install --no-deps nvidia-cutlass==4.2.0.0`; experimental: "
-                        "not yet measured on a GPU)")
+                        "layers' plain and residual GEMMs (needs `pip install --no-deps nvidia-cutlass==4.2.0.0`; "
+                        "experimental: not yet measured on a GPU)")
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "

@@ -24,7 +24,10 @@ from pathlib import Path
 from impc.errors import CompileError
 
 TILE_M = 128                     # the kernel's row tile (templates/cutlass_gemm.cuh.j2 TileShape)
-KERNELS = {"bf16": "cutlass_gemm_bf16"}          # operand format -> the kernel's name in the cubin
+# operand format -> the kernel's name in the cubin: bf16 weights (D = A W^T + beta C), and NVFP4 weights' fp16 copies
+# (D = 2^20 tscale A W^T + beta C, tscale read from the device: templates/cutlass_gemm.cuh.j2 `scaled`)
+KERNELS = {"bf16": "cutlass_gemm_bf16", "f16": "cutlass_gemm_f16s"}
+SCALED = {"f16"}
 ELEMENTS = {"bf16": "bfloat16_t", "f16": "half_t"}
 CUTLASS_VERSION = "4.2.0.0"
 HINT = f"pip install --no-deps nvidia-cutlass=={CUTLASS_VERSION} (headers only)"
@@ -55,7 +58,8 @@ def render(fmt: str) -> str:
     from impc.emit import TEMPLATES_DIR
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
-    return env.get_template("cutlass_gemm.cuh.j2").render(element=ELEMENTS[fmt], kernel=KERNELS[fmt])
+    return env.get_template("cutlass_gemm.cuh.j2").render(element=ELEMENTS[fmt], kernel=KERNELS[fmt],
+                                                          ns=f"imp_cutlass_{fmt}", scaled=fmt in SCALED)
 
 
 def _flags(root: Path) -> list[str]:
@@ -134,10 +138,11 @@ def buckets(rows_max: int) -> list[int]:
     return [min(TILE_M * b, rows_max) for b in range(1, -(-rows_max // TILE_M) + 1)]
 
 
-def params_table(fmt: str, n: int, k: int, beta: float, rows_max: int, sm_count: int) -> dict:
-    """The program's table of one GEMM shape (module docstring). alpha is 1 (bf16 weights carry no scale)."""
+def params_table(fmt: str, n: int, k: int, beta: float, rows_max: int, sm_count: int, alpha: float = 1.0) -> dict:
+    """The program's table of one GEMM shape (module docstring). A scaled kernel's tensor-scale pointer sits in the
+    Params as a raw address: "pointers" says where, the runtime writes it."""
     ms = buckets(rows_max)
-    shapes = [(m, n, k, 1.0, float(beta), sm_count) for m in ms]
+    shapes = [(m, n, k, float(alpha), float(beta), sm_count) for m in ms]
     runs = [_probe(fmt, shapes, pad) for pad in (0, 1000)]
     blobs = []
     for r0, r1 in zip(*runs):
@@ -147,11 +152,14 @@ def params_table(fmt: str, n: int, k: int, beta: float, rows_max: int, sm_count:
                 a[i] = 0                     # a stack leftover, not a field
         blobs.append(bytes(a))
     top = runs[0][-1]
-    if top["pointers"]:
-        raise CompileError(f"CUTLASS GEMM Params hold raw operand pointers {top['pointers']}: not handled")
+    desc: set[int] = set()          # bytes the runtime writes itself: descriptors and pointers
+    want = [{"operand": "scale"}] if fmt in SCALED else []
+    if [{"operand": q["operand"]} for q in top["pointers"]] != want:
+        raise CompileError(f"CUTLASS GEMM Params hold raw pointers {top['pointers']}, expected {want}")
+    for q in top["pointers"]:
+        desc.update(range(q["offset"], q["offset"] + 8))
     if sorted(t["operand"] for t in top["tmaps"]) != ["A", "C", "D", "W"]:
         raise CompileError(f"CUTLASS GEMM: unexpected TMA descriptors {[t['operand'] for t in top['tmaps']]}")
-    desc = set()
     for t in top["tmaps"]:
         desc.update(range(t["offset"], t["offset"] + 128))
     base = blobs[-1]
@@ -167,6 +175,7 @@ def params_table(fmt: str, n: int, k: int, beta: float, rows_max: int, sm_count:
             "smem": top["smem"], "tmaps": [{key: t[key] for key in ("offset", "operand", "dtype", "rank", "dims",
                                                                     "strides", "box", "elem_strides", "interleave",
                                                                     "swizzle", "l2", "oob")} for t in top["tmaps"]],
+            "pointers": [{"offset": q["offset"], "operand": q["operand"]} for q in top["pointers"]], "alpha": alpha,
             "words": words, "grids": [r["grid"] for r in runs[0]]}
 
 

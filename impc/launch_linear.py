@@ -192,9 +192,9 @@ class LinearLaunches:
         return self.wg_layers and lin.fmt == "nvfp4"
 
     def cutlass_ok(self, lin: _Lin, mode: int, rope) -> bool:
-        """--prefill-gemm cutlass: a phase past WG_MID_CHUNK rows, bf16 weights (alpha 1: NVFP4's fp16 copies need
-        their tensor scale from the device, not yet built), a plain or residual-adding GEMM (no fused epilogue)."""
-        return (self.opt.prefill_gemm == "cutlass" and self.target["name"] == "sm_90a" and lin.fmt == "bf16"
+        """--prefill-gemm cutlass: a phase past WG_MID_CHUNK rows, bf16 weights or NVFP4's fp16 copies, a plain or
+        residual-adding GEMM (gate_up's fused gated epilogue and the qkv one stay imp's)."""
+        return (self.opt.prefill_gemm == "cutlass" and self.target["name"] == "sm_90a" and lin.fmt in ("bf16", "nvfp4")
                 and mode in (0, 1) and rope is None and self.rows_max > WG_MID_CHUNK and lin.k % 8 == 0
                 and lin.n % 4 == 0)
 
@@ -207,14 +207,22 @@ class LinearLaunches:
         rows_a = self.buffers[a].bytes // (lin.k * 2)
         rows_out = self.buffers[out].bytes // (lin.n * 4)
         rmax = min(self.rows_max, rows_a, rows_out)
-        key = table_key(lin.fmt, lin.n, lin.k, mode, rmax)
+        arg = {"rows": rows, "A": a, "W": lin.name, "C": out, "D": out}
+        if lin.fmt == "nvfp4":                  # the fp16 copy (expanded at load, or now into wdq), its tensor scale
+            fmt, alpha, arg["W"], arg["scale"] = "f16", F16_NVFP4_UNSCALE, lin.name + ".f16", lin.name + ".tscale"
+            if self.wg_mode == "dequant":
+                arg["W"] = "wdq"
+                self.dequant(e, lin, "wdq")
+            reads = [(arg["W"], lin.n * lin.k * 2), (arg["scale"], 4)]
+        else:
+            fmt, alpha, reads = "bf16", 1.0, lin.reads()
+        key = table_key(fmt, lin.n, lin.k, mode, rmax)
         if key not in self.cutlass_tables:
-            self.cutlass_tables[key] = params_table(lin.fmt, lin.n, lin.k, float(mode), rmax, self.sm_count)
+            self.cutlass_tables[key] = params_table(fmt, lin.n, lin.k, float(mode), rmax, self.sm_count, alpha)
         t = self.cutlass_tables[key]
         self.kernel_smem[t["kernel"]] = t["smem"]
-        reads = lin.reads() + [(a, m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode == 1 else [])
-        e.add(t["kernel"], tuple(t["grids"][-1]), tuple(t["block"]),
-              [{"cutlass": {"table": key, "rows": rows, "A": a, "W": lin.name, "C": out, "D": out}}],
+        reads += [(a, m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode == 1 else [])
+        e.add(t["kernel"], tuple(t["grids"][-1]), tuple(t["block"]), [{"cutlass": {"table": key, **arg}}],
               reads, [(out, m * lin.n * 4)], smem=t["smem"])       # (not a PDL kernel: it has no pdl_wait)
 
     def linear_wgmma(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, rope=None) -> None:

@@ -51,7 +51,7 @@ class ProgramOptions:
     prefill_qkv_epilogue: bool = False  # Hopper large prefill phases: q / k norm, RoPE and the KV append in the qkv
                                         # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; measured no faster)
     prefill_gemm: str = "auto"        # Hopper prefill GEMMs in phases past 256 rows: auto (the persistent ping-pong
-                                      # GEMM), tiles (the per-tile one) or cutlass (CUTLASS's, bf16 weights: cutlass.py)
+                                      # GEMM), tiles (the per-tile one) or cutlass (CUTLASS's, plain and residual GEMMs: cutlass.py)
     norm_prologue_bf16: bool = True   # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
                                       # norm_fused; SmolLM2 shape all bf16 b1 +6.4%, BENCHMARKS.md)
 

@@ -58,6 +58,9 @@ class CutlassParams:
         for tm in table["tmaps"]:
             ctypes.memmove(ctypes.addressof(self.buf) + int(tm["offset"]),
                            tensor_map_bytes(arena.ptr(arg[tm["operand"]]), tm), 128)
+        for q in table.get("pointers", []):          # a scaled kernel's tensor-scale pointer
+            ctypes.c_uint64.from_address(ctypes.addressof(self.buf) + int(q["offset"])).value = \
+                arena.ptr(arg[q["operand"]])
         self.words = [(int(off), [int(v) for v in vals]) for off, vals in table["words"]]
         self.grids = [list(g) for g in table["grids"]]
         self.tile, self.rows = int(table["tile_m"]), arg["rows"]

@@ -11,7 +11,8 @@ file). It has two parts:
 An argument is a buffer reference (`{"ptr": name, "offset": v}`, or `{"ptr": null}` for a null pointer),
 a TMA descriptor over a buffer (`{"tmap": {"ptr", "dtype", "rows", "cols", "box_rows", "box_cols"}}`, built by
 the runtime at bind time, passed by value), a CUTLASS kernel's Params (`{"cutlass": {"table", "rows", "A", "W",
-"C", "D"}}`: the bytes and descriptors of `constants["cutlass"][table]` over those buffers, impc/cutlass.py) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
+"C", "D"}}` and, for a scaled kernel, "scale": the bytes, descriptors and pointers of `constants["cutlass"][table]` over
+those buffers, impc/cutlass.py) or a scalar (`{"i32": v}`, `{"u32": n}`, `{"u64": n}`, `{"f32": x}`). A value v is an int or a per-step
 symbol `{"sym": name, "mul": a, "ceil_div": d, "add": c}` = ceil(sym * a / d) + c. Decode phases use no
 symbols (their per-step values live in the `step` buffers, so a phase is captured once as a CUDA graph);
 prefill and logits phases use `rows` (rows of x in this call), `dec` and `prows` (a prefill call's
@@ -261,6 +262,9 @@ def _check_cutlass(p: Program, c, env: dict, at: str) -> set[str]:
         tile, grids, words = int(t["tile_m"]), t["grids"], t["words"]
         rows = c["rows"]
         ops = {k: c[k] for k in ("A", "W", "C", "D")}
+        for q in t.get("pointers", []):
+            if not 0 <= int(q["offset"]) <= n - 8 or p.buffers.get(c[q["operand"]]) is None:
+                raise ProgramError(f"{at}: CUTLASS pointer {q['operand']} at {q['offset']} names no buffer")
     except (KeyError, TypeError, ValueError):
         raise ProgramError(f"{at}: malformed CUTLASS argument {c!r}") from None
     for tm in t["tmaps"]:

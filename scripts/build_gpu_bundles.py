@@ -25,7 +25,8 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
         "qwen3-qkvepi": "qwen3_wide",   # --prefill-qkv-epilogue (heads of 64: the qkv GEMM's fused epilogue)
         "llama-bf16": "llama",          # all bf16 (--quant bf16): qkv / gate_up norm in their GEMV's prologue (default)
         "llama-bf16-np": "llama",       # ... with --no-norm-prologue-bf16: the norm a launch before them
-        "llama-bf16-cutlass": "llama"}  # ... with --prefill-gemm cutlass (CUTLASS's GEMM in the 512-row prefill phase)
+        "llama-bf16-cutlass": "llama",  # ... with --prefill-gemm cutlass (CUTLASS's GEMM in the 512-row prefill phase)
+        "llama-cutlass": "llama"}       # NVFP4 with --prefill-gemm cutlass (qkv, o, down on CUTLASS's scaled kernel)
 # llama-i8: the output head INT8 with a scale a row (--head-format int8); qwen3-i8: the tied qwen3's head as an INT8 copy
 # of its table (--head-format int8 on a tied model)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on

@@ -27,8 +27,21 @@ def cutlass():
 
 def test_kernel_compiles(cutlass):
     from impc.cubin import kernel_symbols
-    cubin, _ = cutlass.compile_kernels(["bf16"])
-    assert kernel_symbols(cubin) == {"cutlass_gemm_bf16"}
+    cubin, _ = cutlass.compile_kernels(list(cutlass.KERNELS))
+    assert kernel_symbols(cubin) == {"cutlass_gemm_bf16", "cutlass_gemm_f16s"}
+
+
+def test_scaled_table(cutlass):
+    """The NVFP4 copies' kernel: alpha 2^20 in the Params' bytes, the tensor scale's pointer where the probe put its
+    fake address (written by the runtime), fp16 descriptors; the same row buckets as the bf16 kernel's."""
+    t = cutlass.params_table("f16", 6144, 4096, 0.0, 1000, 132, 2.0 ** 20)
+    raw = bytes.fromhex(t["hex"])
+    (q,) = t["pointers"]
+    assert q["operand"] == "scale" and struct.unpack_from("<Q", raw, q["offset"])[0] == 0x7E0000000000
+    assert struct.pack("<f", 2.0 ** 20) in raw
+    assert struct.unpack_from("<4i", raw, 4) == (1000, 6144, 4096, 1)
+    b = cutlass.params_table("bf16", 6144, 4096, 0.0, 1000, 132)
+    assert t["grids"] == b["grids"] and [w[1] for w in t["words"]][:1] == [w[1] for w in b["words"]][:1]
 
 
 @pytest.mark.parametrize("n,k,beta,rows_max", [(6144, 4096, 0, 1000), (4096, 12288, 1, 4096), (64, 64, 1, 512)])
@@ -90,6 +103,7 @@ def test_program(cutlass, checkpoints, tmp_path):
         n_cut = names.count("cutlass_gemm_bf16")
         assert n_cut == (4 * b.spec.n_layers if (ph.phase, ph.tokens) == ("prefill", big) else 0), (ph.phase, ph.tokens)
     x = next(x for x in prog.phase("prefill", big).launches if x.kernel == "cutlass_gemm_bf16")
+    assert "cutlass_gemm_f16s" in kern["functions"]["sm_90a"]
     (arg,), = [x.args]
     assert arg["cutlass"]["rows"] == {"sym": "rows"} and not x.pdl
     validate(prog, set(kern["functions"]["sm_90a"]))
@@ -146,3 +160,22 @@ def test_runtime_params_for_each_step(cutlass, monkeypatch):
         assert all(got[i] == ref[i] for i in range(len(ref)) if i not in desc), rows
         for i, op in list(desc.items())[::128]:
             assert got[i:i + 8] == {"A": 0x1000, "W": 0x2000, "C": 0x3000, "D": 0x3000}[op].to_bytes(8, "little")
+
+
+def test_program_nvfp4(cutlass, checkpoints, tmp_path):
+    """The NVFP4 tiny llama: qkv, o and down of the large phase on the scaled kernel over their fp16 copies and tensor
+    scales, gate_up on imp's gated GEMM; the program validates."""
+    from impc.compile import CompileOptions, compile_model
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.program import loads, validate
+    compile_model(CompileOptions(model=str(checkpoints("llama")), out=tmp_path / "b", targets="sm_90a",
+                                 max_context=512, vram_gib=2, prefill_gemm="cutlass", calibrate=False))
+    b = load_bundle(tmp_path / "b")
+    prog = loads(b.file("program/sm_90a.json").read_text())
+    big = max(prog.buckets("prefill"))
+    cut = [x for x in prog.phase("prefill", big).launches if x.kernel == "cutlass_gemm_f16s"]
+    assert len(cut) == 3 * b.spec.n_layers
+    names = sorted({x.args[0]["cutlass"]["scale"].rsplit(".", 2)[-2] for x in cut})
+    assert names == ["down", "o", "qkv"]
+    assert all(x.args[0]["cutlass"]["scale"] == x.args[0]["cutlass"]["W"].replace(".f16", ".tscale") for x in cut)
+    validate(prog, set(b.manifest["kernels"]["functions"]["sm_90a"]))

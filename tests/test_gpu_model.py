@@ -52,10 +52,11 @@ def logits_run(ex, tokens, n_prompt, chunk: int | None = None):
     return np.concatenate(rows)
 
 
-def test_cutlass_prefill_logits():
-    """--prefill-gemm cutlass (all bf16): a 300-token prompt in one call runs the 512-row phase, its GEMMs on
-    CUTLASS's kernel, then a prefix-cached chunk and decode; logits against the cpu executor."""
-    cpu, gpu = executors(gpu_bundle("llama-bf16-cutlass"))
+@pytest.mark.parametrize("name", ["llama-bf16-cutlass", "llama-cutlass"])
+def test_cutlass_prefill_logits(name):
+    """--prefill-gemm cutlass (all bf16; NVFP4): a 300-token prompt in one call runs the 512-row phase, its GEMMs on
+    CUTLASS's kernels, then a prefix-cached chunk and decode; logits against the cpu executor."""
+    cpu, gpu = executors(gpu_bundle(name))
     try:
         toks = np.random.default_rng(4).integers(4, cpu.spec.vocab_size, 340).tolist()
         ref, got = logits_run(cpu, toks, 320, chunk=300), logits_run(gpu, toks, 320, chunk=300)
