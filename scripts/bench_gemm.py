@@ -4,7 +4,8 @@ cuBLAS) on the same shapes in the same process. Needs torch with CUDA (the GPU m
 
 For every linear shape of the model (qkv, o, gate_up, down) at each M: the wgmma GEMM (templates/
 gemm_wgmma.cu.j2) on fp16 operands, the NVFP4 -> fp16 expansion it runs before (dequant_nvfp4_f16), the
-mma.sync GEMM it replaces (gemm_nvfp4_f16, templates/gemm.cu.j2), and cuBLAS bf16. Medians of --runs timed
+mma.sync GEMM it replaces (gemm_nvfp4_f16, templates/gemm.cu.j2), CUTLASS's kernel where the bundle was compiled with
+`--prefill-gemm cutlass` (its program's Params tables, launched as the runtime does), and cuBLAS bf16. Medians of --runs timed
 samples (CUDA events around back-to-back calls, after a sustained warm-up); o and down add into their float32 output as the model's residual adds do (mode 1), and
 each wgmma repetition alternates with a cuBLAS one, so both columns see the same clocks. Checks first: the expansion against runtime/nvfp4.py's exact dequantization, and
 each wgmma tile shape against torch's float32 product (ragged M, K not a multiple of 64, mode 1 adds).
@@ -70,6 +71,40 @@ def wg_gemm(mod, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, bn, mode: in
     tw = tensor_map(w.data_ptr(), dt, n, k, bn, 64)
     launch(mod, f"gemm_wg{bn}_{dt}", ((n + bn - 1) // bn, (m + 127) // 128, 1), (384, 1, 1), WG_SMEM[bn],
            [ta, tw, c, tscale, float(unscale), m, n, k, mode, None, None], stream)     # no split-K: no ws, flags
+
+
+class _Addresses:
+    """The arena a CutlassParams encodes its descriptors over: torch tensors by operand name."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def ptr(self, name: str) -> int:
+        return self.tensors[name].data_ptr()
+
+
+def cutlass_tables(bundle: Path, manifest: dict) -> dict:
+    """--prefill-gemm cutlass bundles (impc/cutlass.py): the program's Params tables by (N, K, mode)."""
+    if "sm_90a" not in manifest["kernels"].get("cutlass_cubins", {}):
+        return {}
+    prog = json.loads((bundle / manifest["kernels"]["programs"]["sm_90a"]).read_text())
+    return {(t["n"], t["k"], int(t["beta"])): t for t in prog["constants"].get("cutlass", {}).values()}
+
+
+def cutlass_launcher(mod, table: dict, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, m: int, scale, stream):
+    """A function launching the table's CUTLASS kernel over a (at least the table's rows), w and c (in place: C = D) at
+    m rows, as the runtime does (runtime/cuda_program.py CutlassParams)."""
+    from imp_runtime.cuda_program import CutlassParams
+    arg = {"rows": m, "A": "A", "W": "W", "C": "C", "D": "C", "scale": "S"}
+    p = CutlassParams(table, arg, _Addresses({"A": a, "W": w, "C": c, "S": scale}))
+    grid = p.for_rows(m)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(p.buf))
+    func = mod.func(table["kernel"])
+
+    def run():
+        check(cu.cuLaunchKernel(func, *grid, *table["block"], table["smem"], stream, ctypes.addressof(params), 0))
+    run.keep = (p, params)          # (the Params bytes live as long as the function)
+    return run
 
 
 def sm_count() -> int:
@@ -207,7 +242,11 @@ def main() -> int:
     bundle = Path(args.bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     cubin = Path(args.cubin) if args.cubin else bundle / manifest["kernels"]["cubins"]["sm_90a"]
-    mod = Module(cubin.read_bytes())
+    tables = cutlass_tables(bundle, manifest)
+    more = [(bundle / manifest["kernels"]["cutlass_cubins"]["sm_90a"]).read_bytes()] if tables else []
+    mod = Module(cubin.read_bytes(), *more)
+    for t in tables.values():
+        mod.set_max_dynamic_smem(t["kernel"], t["smem"])
     for bn, smem in WG_SMEM.items():
         for dt in ("f16", "bf16"):
             mod.set_max_dynamic_smem(f"gemm_wg{bn}_{dt}", smem)
@@ -259,18 +298,36 @@ def main() -> int:
                 ms = timed(lambda: launch(mod, "gemm_nvfp4_f16", ((n + 127) // 128, (m + 63) // 64, 1), (256, 1, 1), 0,
                                           [a16, codes, scales, ts, c, m, n, k, 0], stream), args.runs)
                 res["mma_sync_ms"], res["mma_sync_tflops"] = ms, flop / ms / 1e9
+            t = tables.get((n, k, mode))
+            if t is not None and m <= t["rows_max"]:
+                # CUTLASS's kernel from the bundle's program (--prefill-gemm cutlass): fp16 operands scaled by a tensor
+                # scale (NVFP4's copies) or bf16; checked against torch's float32 product, then timed against cuBLAS
+                f16 = t["fmt"] == "f16"
+                a_big = torch.zeros((t["rows_max"], k), dtype=torch.float16 if f16 else torch.bfloat16, device="cuda")
+                a_big[:m] = a16 if f16 else ab
+                c_big = torch.zeros((t["rows_max"], n), device="cuda")
+                scale = torch.full((1,), 1.0 / t.get("alpha", 1.0), device="cuda")
+                run = cutlass_launcher(mod, t, a_big, w16 if f16 else wb, c_big, m, scale, stream)
+                run()
+                torch.cuda.synchronize()
+                want = a_big[:m].float() @ (w16 if f16 else wb).float().T      # (C was zero: mode 1 adds to 0)
+                res["cutlass_err"] = float(((c_big[:m] - want).abs().max() / want.abs().max()).item())
+                ms, ref_ms = timed_pair(run, lambda: torch.matmul(ab, wb.T), args.runs)
+                res["cutlass_ms"], res["cutlass_tflops"] = ms, flop / ms / 1e9
+                cub.append(ref_ms)
             ms = statistics.median(cub)
             res["cublas_ms"], res["cublas_tflops"] = ms, flop / ms / 1e9
             rows.append(res)
             print(json.dumps(res), flush=True)
     print("\n| GEMM (mode) | M | N | K | wgmma 128 | wgmma 256 | persistent ping-pong | gated: wgmma 256 / ping-pong | "
-          "dequant (GB/s) | mma.sync | cuBLAS bf16 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "dequant (GB/s) | mma.sync | CUTLASS (max rel err) | cuBLAS bf16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         gated = f"{r['gated_tflops']:.0f} / {r['gatedp_tflops']:.0f}" if "gated_tflops" in r else "-"
+        cut = f"{r['cutlass_tflops']:.0f} ({r['cutlass_err']:.1e})" if "cutlass_tflops" in r else "-"
         print(f"| {r['gemm']} ({r['mode']}) | {r['M']} | {r['N']} | {r['K']} | {r['wg128_tflops']:.0f} | {r['wg256_tflops']:.0f} | "
               f"{r['wgp_tflops']:.0f} | {gated} | "
-              f"{r['dequant_ms'] * 1e3:.0f} us ({r['dequant_gbs']:.0f}) | {r['mma_sync_tflops']:.0f} | "
+              f"{r['dequant_ms'] * 1e3:.0f} us ({r['dequant_gbs']:.0f}) | {r['mma_sync_tflops']:.0f} | {cut} | "
               f"{r['cublas_tflops']:.0f} |")
     print("(TFLOP/s; medians of", args.runs, "runs)")
     return 1 if fails else 0
