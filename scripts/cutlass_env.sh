@@ -1,4 +1,4 @@
-# Sourced by scripts/build_cutlass_gemm.sh and scripts/cutlass_params.sh (issue 9's CUTLASS probes): the nvidia-cutlass
+# Sourced by scripts/build_cutlass_gemm.sh (issue 9's CUTLASS benchmark library): the nvidia-cutlass
 # wheel's headers (pip-installed, headers only, --no-deps, into .cache/ when missing) and the PyPI nvcc of .venv.
 # Sets ROOT, CUTLASS_VERSION, PKG, PY, INC (the headers' root), NVCC and CUDA_LIB (the wheel's lib/, where
 # libcudart_static.a is: not on nvcc's own path). env: CUTLASS_VERSION (4.2.0.0), CUTLASS_PKG, PYTHON, NVCC.
