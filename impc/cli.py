@@ -259,9 +259,11 @@ def cmd_inspect(a) -> int:
         return 0
     s = b.spec
     print(f"bundle   {a.bundle}  (name {m['name']}, format {m['format_version']})")
+    copy = m["quantization"].get("head_copy_of_embed", False)      # (the copy is no parameter of the model)
     print(f"model    {s.family}: {s.n_layers} layers, hidden {s.hidden}, heads {s.n_heads}/{s.n_kv_heads} x {s.head_dim}, "
-          f"ffn {s.intermediate}, vocab {s.vocab_size}, {s.n_params() / 1e6:.1f}M params")
-    print(f"         rope theta {s.rope_theta:g} ({s.rope_scaling.kind}), tied {s.tie_embeddings}, qkv bias {s.qkv_bias}, "
+          f"ffn {s.intermediate}, vocab {s.vocab_size}, {(s.n_params() - copy * s.vocab_size * s.hidden) / 1e6:.1f}M params")
+    tied = "True (the head an INT8 copy of the table)" if copy else s.tie_embeddings
+    print(f"         rope theta {s.rope_theta:g} ({s.rope_scaling.kind}), tied {tied}, qkv bias {s.qkv_bias}, "
           f"qk norm {s.qk_norm}, activation {s.activation}, sliding window {s.sliding_window or 'none'}")
     q = m["quantization"]
     by_fmt: dict[str, list] = {}
