@@ -132,11 +132,11 @@ def head_copy_spec(spec: ModelSpec, opts: CompileOptions) -> ModelSpec:
     return spec
 
 
-def with_head_copy(tensors, spec: ModelSpec, bundle_spec: ModelSpec):
+def with_head_copy(tensors, head_copy: bool):
     """The checkpoint's tensors, and the embedding again as lm_head where head_copy_spec untied the head."""
     for name, w in tensors:
         yield name, w
-        if name == "embed" and spec.tie_embeddings and not bundle_spec.tie_embeddings:
+        if head_copy and name == "embed":
             yield "lm_head", w
 
 
@@ -340,8 +340,9 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     family = family_for(ck.config)
     ck_spec = family.spec(ck.config)
     spec = head_copy_spec(ck_spec, opts)
+    head_copy = spec is not ck_spec
     p.info(describe_spec(ck_spec))
-    if spec is not ck_spec:
+    if head_copy:
         p.info("the tied head stored apart in INT8 (the embedding table stays bf16): --head-format bf16 keeps it tied")
     formats, targets, plan = plan_stage(spec, opts, p)
     # The kernels depend on the model's shape and the targets only (not on the formats the byte budget picks),
@@ -357,8 +358,8 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     with ThreadPoolExecutor(max_workers=1, initializer=background_priority) as nvcc_pool:
         omit = opts.omitted_kernels(spec, targets)
         kernels = nvcc_pool.submit(emit, spec, targets, plan, omit)
-        q = quantize_stage(spec, with_head_copy(family.tensors(ck_spec, ck), ck_spec, spec), formats, opts, p, ck,
-                           head_copy=spec is not ck_spec)
+        q = quantize_stage(spec, with_head_copy(family.tensors(ck_spec, ck), head_copy), formats, opts, p, ck,
+                           head_copy=head_copy)
         if q.formats != formats:
             formats, targets, plan = plan_stage(spec, opts, p, q.formats)
         arrays, quant = q.arrays, q.tensors
@@ -374,7 +375,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     generation = {k: ck.generation_config[k] for k in GENERATION_KEYS if k in ck.generation_config}
     manifest = build_manifest(opts, spec, formats, quant, tokenizer, generation, plan, emitted,
                               source=Path(ck.path).name, checkpoint_sha256=ck.source_hash(), calibration=q.calibration,
-                              name=default_name(Path(ck.path)), head_copy=spec is not ck_spec)
+                              name=default_name(Path(ck.path)), head_copy=head_copy)
     write_bundle(out, manifest, arrays, texts, {**kernel_files(emitted), **programs})
     p.stage("done")
     return manifest

@@ -54,17 +54,13 @@ def cutlass_root() -> Path:
 
 
 def render(fmt: str) -> str:
-    import jinja2
-    from impc.emit import TEMPLATES_DIR
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
-    return env.get_template("cutlass_gemm.cuh.j2").render(element=ELEMENTS[fmt], kernel=KERNELS[fmt],
+    from impc.emit import template_env
+    return template_env().get_template("cutlass_gemm.cuh.j2").render(element=ELEMENTS[fmt], kernel=KERNELS[fmt],
                                                           ns=f"imp_cutlass_{fmt}", scaled=fmt in SCALED)
 
 
-def _flags(root: Path) -> list[str]:
-    return ["-std=c++17", "--expt-relaxed-constexpr", "-DNDEBUG", "-arch=sm_90a", f"-I{root / 'include'}",
-            f"-I{root / 'tools' / 'util' / 'include'}"]
+def _includes(root: Path) -> list[str]:
+    return [f"-I{root / 'include'}", f"-I{root / 'tools' / 'util' / 'include'}"]
 
 
 def _key(*parts: str) -> str:
@@ -78,23 +74,15 @@ def _run_nvcc(args: list[str], cwd: str, what: str) -> None:
 
 
 def compile_kernels(fmts: list[str]) -> tuple[bytes, bool]:
-    """The CUTLASS kernels for these operand formats, one cubin (cached): (cubin, cached)."""
-    from impc.emit import cache_dir, nvcc_path, nvcc_version
+    """The CUTLASS kernels for these operand formats, one cubin for sm_90a, cached as the other cubins are
+    (impc/emit.py compile_cubin; the headers' version is in the source hashed): (cubin, cached)."""
+    from impc.emit import compile_cubin, nvcc_path, nvcc_version
+    from impc.targets import load_target
     root, nvcc = cutlass_root(), nvcc_path()
-    source = "\n".join(render(f) for f in sorted(set(fmts)))
-    flags = ["-cubin", "-O3", *_flags(root)]
-    key = _key(source, " ".join(flags[:-2]), nvcc_version(nvcc), (root / "include" / "cutlass" / "version.h").read_text())
-    cached = cache_dir() / f"cutlass-{key}.cubin"
-    if cached.is_file():
-        return cached.read_bytes(), True
-    with tempfile.TemporaryDirectory(prefix="impc-cutlass-") as tmp:
-        (Path(tmp) / "cutlass.cu").write_text(source)
-        _run_nvcc([str(nvcc), *flags, "-o", "cutlass.cubin", "cutlass.cu"], tmp, "the CUTLASS kernels")
-        data = (Path(tmp) / "cutlass.cubin").read_bytes()
-    tmp_path = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp_path.write_bytes(data)
-    tmp_path.replace(cached)
-    return data, False
+    version_h = (root / "include" / "cutlass" / "version.h").read_text()
+    source = f"// CUTLASS {_key(version_h)[:16]}\n" + "\n".join(render(f) for f in sorted(set(fmts)))
+    return compile_cubin(source, load_target("sm_90a"), nvcc, nvcc_version(nvcc), ["-DNDEBUG", *_includes(root)],
+                         "the CUTLASS kernels")
 
 
 def probe_binary(fmt: str) -> Path:
@@ -103,14 +91,16 @@ def probe_binary(fmt: str) -> Path:
     root, nvcc = cutlass_root(), nvcc_path()
     source = render(fmt)
     lib = nvcc.parent.parent / "lib"          # the wheel's libcudart_static.a (not on nvcc's own path)
-    flags = ["-O1", "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL", "-DIMP_CUTLASS_PROBE", *_flags(root)]
-    key = _key(source, " ".join(flags[:-2]), nvcc_version(nvcc), (root / "include" / "cutlass" / "version.h").read_text())
+    flags = ["-O1", "-std=c++17", "--expt-relaxed-constexpr", "-DNDEBUG", "-arch=sm_90a",
+             "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL", "-DIMP_CUTLASS_PROBE"]
+    key = _key(source, " ".join(flags), nvcc_version(nvcc), (root / "include" / "cutlass" / "version.h").read_text())
     exe = cache_dir() / f"cutlass-probe-{key}"
     if exe.is_file():
         return exe
     with tempfile.TemporaryDirectory(prefix="impc-cutlass-") as tmp:
         (Path(tmp) / "probe.cu").write_text(source)
-        _run_nvcc([str(nvcc), *flags, f"-L{lib}", "-o", "probe", "probe.cu"], tmp, "the CUTLASS Params probe")
+        _run_nvcc([str(nvcc), *flags, *_includes(root), f"-L{lib}", "-o", "probe", "probe.cu"], tmp,
+                  "the CUTLASS Params probe")
         tmp_path = exe.with_name(exe.name + f".{os.getpid()}.tmp")
         tmp_path.write_bytes((Path(tmp) / "probe").read_bytes())
     tmp_path.chmod(0o755)

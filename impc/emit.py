@@ -76,16 +76,22 @@ def cfloat(x: float) -> str:
     return text + "f" if any(c in text for c in ".eE") else text + ".0f"
 
 
-def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = frozenset()) -> str:
-    """One translation unit: the common prelude, then every kernel family, each specialised; without the
-    kernels named in omit that a template can leave out (those the program cannot launch: nvcc time)."""
+def template_env() -> jinja2.Environment:
+    """The Jinja environment every template of templates/ is rendered in."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cfloat"] = cfloat
+    return env
+
+
+def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = frozenset()) -> str:
+    """One translation unit: the common prelude, then every kernel family, each specialised; without the
+    kernels named in omit that a template can leave out (those the program cannot launch: nvcc time)."""
+    env = template_env()
     from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS, attn_partial_row
     from impc.launches import attn_decode_geometry, fa_wg_geometry
-    from impc.launch_linear import (GR3_BLOCKS, GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR, gv_i8_tiles,
-                                    WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
+    from impc.launch_linear import (GR3_BLOCKS, GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR,
+                                    SMALL_HEAD_K, gv_i8_tiles, WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "attn_partial_row": attn_partial_row(spec.head_dim),
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
@@ -95,7 +101,7 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
            "ad": attn_decode_geometry(spec, target),
            "gr": {"stages": GR_STAGES, "ur": GR_UR, "resident": GR_RESIDENT, "smem": GR_SMEM,
                   "stages3": GR3_STAGES, "resident3": GR3_BLOCKS, "smem3": GR3_SMEM},
-           "i8_tiles": gv_i8_tiles(spec.hidden),
+           "i8_tiles": gv_i8_tiles(spec.hidden), "bf16w": spec.hidden <= SMALL_HEAD_K,
            "omit": frozenset(omit),
            # a developer build with phase timers in the streamed decode GEMVs, the decode attention, rmsnorm_residual
            # and qkv_rope_cache_f16 (scripts/kernel_phases.py)
@@ -106,8 +112,11 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
     return "\n".join(parts)
 
 
-def compile_cubin(source: str, target: dict, nvcc: Path, version: str) -> tuple[bytes, bool]:
-    flags = NVCC_FLAGS + [target["nvcc_arch"]]
+def compile_cubin(source: str, target: dict, nvcc: Path, version: str, extra: list[str] = (),
+                  what: str | None = None) -> tuple[bytes, bool]:
+    """source -> cubin for target, cached by the hash of (source, flags, nvcc version): (cubin, cached). extra: more
+    nvcc flags (impc/cutlass.py: its defines and include folders); what: the error's name for it."""
+    flags = NVCC_FLAGS + [target["nvcc_arch"], *extra]
     key = hashlib.sha256("\0".join([source, " ".join(flags), version]).encode()).hexdigest()
     cached = cache_dir() / f"{key}.cubin"
     if cached.is_file():
@@ -121,7 +130,7 @@ def compile_cubin(source: str, target: dict, nvcc: Path, version: str) -> tuple[
         proc = subprocess.run([str(nvcc), *flags, "-o", "kernels.cubin", "kernels.cu"], cwd=tmp,
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CompileError(f"nvcc failed for {target['name']}:\n{proc.stderr[-4000:]}")
+            raise CompileError(f"nvcc failed for {what or target['name']}:\n{proc.stderr[-4000:]}")
         data = (Path(tmp) / "kernels.cubin").read_bytes()
         if os.environ.get("IMPC_NVCC_LOG"):     # a developer's look at ptxas's notes (spills, serialized wgmma);
             # only where nvcc ran: a cached cubin has none (IMP_CACHE_DIR to an empty folder forces a compile)

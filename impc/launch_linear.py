@@ -147,19 +147,22 @@ class _Emitter:
                                     tuple((b, int(n)) for b, n in writes if n)))
 
 
+SMALL_HEAD_K = 1024     # a head of K up to this: more of its rows a block at one to four rows (gv_i8_tiles, bf16w_ok)
+
+
 def gv_i8_tiles(k: int) -> dict[int, int]:
     """GV_I8_TILES for a head of K = k: at small K a tile's 16 rows are few bytes (SmolLM2's 576: 9 KB a block, two
     blocks an SM), too few in flight, so one to four rows take four tiles a block (each row's MMAs and their order
     unchanged: the same bits). SmolLM2 shape's INT8 head at one row (H200): 23.2 us with one tile, 19.0 with two,
     17.9 with four, 32.9 with eight (BENCHMARKS.md, twenty-seventh session)."""
-    return {**GV_I8_TILES, 1: 4, 2: 4, 4: 4} if k <= 1024 else GV_I8_TILES
+    return {**GV_I8_TILES, 1: 4, 2: 4, 4: 4} if k <= SMALL_HEAD_K else GV_I8_TILES
 
 
 def bf16w_ok(lin) -> bool:
-    """A bf16 GEMV at one row on gemv_bf16w_nb1 (templates/gemv.cu.j2, emitted where HIDDEN <= 1024): the output head
+    """A bf16 GEMV at one row on gemv_bf16w_nb1 (templates/gemv.cu.j2, emitted where HIDDEN <= SMALL_HEAD_K): the head
     (K = HIDDEN). SmolLM2 shape's tied bf16 head (H200): 24.7 -> 19.5 us (54 -> 69% of the copy bandwidth), a step at
     one row +1.1% (BENCHMARKS.md, twenty-seventh session)."""
-    return lin.name in ("embed", "lm_head") and lin.k <= 1024
+    return lin.name in ("embed", "lm_head") and lin.k <= SMALL_HEAD_K
 
 
 class LinearLaunches:

@@ -64,14 +64,17 @@ class CutlassParams:
         self.words = [(int(off), [int(v) for v in vals]) for off, vals in table["words"]]
         self.grids = [list(g) for g in table["grids"]]
         self.tile, self.rows = int(table["tile_m"]), arg["rows"]
+        self.bucket = None            # whose words the bytes hold: rewritten only when a step's bucket differs
 
     def for_rows(self, rows: int) -> list[int]:
         if rows < 1:
             return [0, 0, 0]
         b = min(-(-rows // self.tile), len(self.grids)) - 1
-        base = ctypes.addressof(self.buf)
-        for off, vals in self.words:
-            ctypes.c_uint32.from_address(base + off).value = vals[b]
+        if b != self.bucket:
+            base = ctypes.addressof(self.buf)
+            for off, vals in self.words:
+                ctypes.c_uint32.from_address(base + off).value = vals[b]
+            self.bucket = b
         return self.grids[b]
 
 

@@ -68,13 +68,13 @@ def test_templates_compile(shape, target):
     src = render(spec, t, {})
     cubin, _cached = compile_cubin(src, t, nv, ver)
     symbols = kernel_symbols(cubin)
-    from impc.launch_linear import wq_shape
+    from impc.launch_linear import SMALL_HEAD_K, wq_shape
     sm90 = {k for k in EXPECTED_SM90 if wq_shape(spec) or not k.startswith("gemm_wq")}
     if spec.head_dim % 64 == 0:         # the wgmma prefill attention (templates/attn_prefill_wgmma.cu.j2)
         sm90.add("attn_prefill_wg")
     qkv_epilogue = {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) and target == "sm_90a" else set()
     sm90 |= qkv_epilogue                # (the qkv GEMM with q / k norm, RoPE and the KV append: heads of 64 / 128)
-    bf16w = {"gemv_bf16w_nb1"} if spec.hidden <= 1024 else set()   # a bf16 head of small K at one row
+    bf16w = {"gemv_bf16w_nb1"} if spec.hidden <= SMALL_HEAD_K else set()   # a bf16 head of small K at one row
     assert symbols == set(EXPECTED) | bf16w | (sm90 if target == "sm_90a" else set())
     formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
