@@ -1010,5 +1010,6 @@ def test_cutlass_gemm(ex_cutlass, m):
         ref = scale * (a.astype(np.float64) @ w.astype(np.float64).T) + (base if beta else 0)
         err = dot_rel(got[:m * n].reshape(m, n), ref, a * scale, w, base if beta else None)
         assert err <= TOL_F32, f"{c['table']}, {m} rows: error {err:.2e} of the products' magnitude"
-        assert np.all(got[bucket * n:].view(np.uint32) == 0xFFFFFFFF), "written past the row bucket"
+        if bucket < t["rows_max"]:      # (at the phase's rows the bucket ends where the buffer does)
+            assert np.all(got[bucket * n:].view(np.uint32) == 0xFFFFFFFF), "written past the row bucket"
     assert len(seen) == (4 if all(key.startswith("bf16") for key in seen) else 3), seen   # (NVFP4: gate_up is imp's)
