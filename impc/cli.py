@@ -73,7 +73,7 @@ def _add_compile(sub) -> None:
                    help="Hopper prefill GEMMs of chunks past 256 rows: auto (the persistent ping-pong GEMM) or "
                         "tiles (one block a 128 x 256 tile); cutlass: CUTLASS 3.x's persistent ping-pong kernel for the "
                         "layers' plain and residual GEMMs (needs `pip install --no-deps nvidia-cutlass==4.2.0.0`; "
-                        "experimental: not yet measured on a GPU)")
+                        "opt-in: 3-6%% slower than auto on the 8B shape's NVFP4 prefill, BENCHMARKS.md)")
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "
