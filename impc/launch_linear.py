@@ -30,6 +30,7 @@ GR_RESIDENT = 2                                # the blocks an SM its registers 
 # 8 rows (220 us) (BENCHMARKS.md, twenty-first session)
 GV_I8_TILES = {1: 1, 2: 1, 4: 1, 8: 3, 16: 2}
 GV_WARPS = 8                                   # the decode GEMVs' warps a block (templates/gemv.cu.j2 GV_WARPS)
+GV_ADD_EARLY = 2                               # a GEMV's mode: the residual add reading out before pdl_wait (add_mode)
 GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 # gemv_ring3_*: three stages, registers for three blocks an SM; an ungated GEMV of more tiles than GR_BLOCKS blocks an
 # SM hold but no more than GR3_BLOCKS (the 8B shape's qkv: 384 tiles on 132 SMs) takes it, one tile a block, so no
@@ -145,6 +146,18 @@ class _Emitter:
         self.launches.append(Launch(kernel, grid, block, smem, pdl and kernel.startswith(PDL_KERNELS),
                                     tuple(args), tuple((b, int(n)) for b, n in reads if n),
                                     tuple((b, int(n)) for b, n in writes if n)))
+
+    def add_mode(self, kernel: str, mode: int, out: str) -> int:
+        """A per-block decode GEMV's residual add (mode 1) as GV_ADD_EARLY (2: templates/gemv.cu.j2, out's values read
+        before pdl_wait) where the launch before it does not write out: a kernel lets its dependent start only after
+        its own pdl_wait, so every earlier writer of out has completed by then; the residual's L2 round trip leaves
+        the epilogue's critical path (o and down, twice a layer). Measured (BENCHMARKS.md, twenty-eighth session):
+        SmolLM2 shape b1 +5.1%, b8 +9.3%. Not the streamed GEMV (gemv_ring*): there the same prefetch cost registers
+        (121 -> 127, a spill in gemv_ring3) and the 8B shape lost 0.3% at one row."""
+        if mode == 1 and not kernel.startswith("gemv_ring") and self.launches \
+                and all(b != out for b, _ in self.launches[-1].writes):
+            return GV_ADD_EARLY
+        return mode
 
 
 SMALL_HEAD_K = 1024     # a head of K up to this: more of its rows a block at one to four rows (gv_i8_tiles, bf16w_ok)
@@ -398,7 +411,8 @@ class LinearLaunches:
                 kern = "gemv_bf16w_nb1"
             norm_args, norm_reads, norm_writes = self.ring_norm(kern, lin, m, partial_norm, scaled)
             e.add(kern, (grid,), (256,),
-                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(mode), *norm_args],
+                  [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(e.add_mode(kern, mode, out)),
+                   *norm_args],
                   reads + norm_reads, writes + norm_writes, smem=smem)
             return
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N

@@ -8,16 +8,23 @@ Two questions come up at every kernel change (BENCHMARKS.md, thirteenth to ninet
   static counts: one per instruction of the loop body, so a stage's work when the loop runs a stage an iteration)
 - does a refactoring change any kernel's code? (`diff`: the functions whose SASS differs once addresses and
   encodings are stripped; a change that leaves every function identical needs no new device run)
+- are the loads meant to be in flight before the grid-dependency wait still ahead of it? (`early`: a kernel's global
+  loads before and after its first ACQBULK, griddepcontrol.wait's SASS; ptxas moves read-only loads past it, so the
+  kernels load what they need early with strong relaxed loads, templates/prelude.cuh.j2 ld_early_*; BENCHMARKS.md,
+  twenty-eighth session)
 
-Needs `cuobjdump` (CUDA's binary utilities; on PATH, or from `pip install nvidia-cuda-cuobjdump`).
+Needs `cuobjdump` and `nvdisasm` (CUDA's binary utilities; on PATH, or from `pip install nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`).
 
 Usage: python scripts/sass_loop.py loop CUBIN KERNEL [--op HMMA]
-       python scripts/sass_loop.py diff CUBIN_A CUBIN_B"""
+       python scripts/sass_loop.py diff CUBIN_A CUBIN_B
+       python scripts/sass_loop.py early CUBIN KERNEL [KERNEL ...]"""
 from __future__ import annotations
 
 import argparse
 import collections
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -45,8 +52,10 @@ def cuobjdump() -> str:
 
 
 def sass(cubin: str, kernel: str | None = None) -> str:
-    cmd = [cuobjdump(), "-sass", cubin] + (["-fun", kernel] if kernel else [])
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    tool = cuobjdump()
+    cmd = [tool, "-sass", cubin] + (["-fun", kernel] if kernel else [])
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")]))  # its nvdisasm
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
         sys.exit(f"sass_loop: {' '.join(cmd)} failed: {run.stderr.strip()}")
     return run.stdout
@@ -83,6 +92,20 @@ def inner_loop(ins: list[tuple[int, str]], op: str) -> list[tuple[int, str]]:
     return ins[best[0]:best[1] + 1]
 
 
+def wait_split(ins: list[tuple[int, str]]) -> tuple[list[str], list[str]]:
+    """A kernel's global loads (LDG) before its first grid-dependency wait (ACQBULK) and after it; no wait: all
+    after."""
+    ops = [opcode(t) for _, t in ins]
+    at = ops.index("ACQBULK") if "ACQBULK" in ops else -1
+    loads = [(i, t) for i, (_, t) in enumerate(ins) if ops[i] == "LDG"]
+    return [t for i, t in loads if i < at], [t for i, t in loads if i > at]
+
+
+def strong(instr: str) -> bool:
+    """A strong load (ld.relaxed / ld.volatile: LDG.E...STRONG.GPU / .SYS), which ptxas keeps where it stands."""
+    return ".STRONG." in instr
+
+
 def functions(text: str) -> dict[str, str]:
     """A digest of each function's SASS with addresses and encodings stripped."""
     out, cur, body = {}, None, []
@@ -111,7 +134,16 @@ def main() -> int:
     dp = sub.add_parser("diff", help="the functions whose SASS differs between two cubins")
     dp.add_argument("a")
     dp.add_argument("b")
+    ep = sub.add_parser("early", help="each kernel's global loads before and after its grid-dependency wait")
+    ep.add_argument("cubin")
+    ep.add_argument("kernels", nargs="+")
     a = ap.parse_args()
+    if a.cmd == "early":
+        for k in a.kernels:
+            before, after = wait_split(instructions(sass(a.cubin, k)))
+            print(f"{k}: before the wait {len(before)} loads ({sum(map(strong, before))} strong), "
+                  f"after it {len(after)} ({sum(map(strong, after))} strong)")
+        return 0
     if a.cmd == "loop":
         try:
             body = inner_loop(instructions(sass(a.cubin, a.kernel)), a.op)

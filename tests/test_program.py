@@ -556,6 +556,49 @@ def test_o_after_decode_attention_pdl():
             assert all(x.pdl == want for x in after), (spec.hidden, ph.tokens, after[0].kernel)
 
 
+def test_decode_gemv_residual_read_before_the_wait():
+    """The per-block decode GEMVs that add into the residual stream x (o after the attention, down after the gated
+    gate_up) read x before their grid-dependency wait (mode 2, templates/gemv.cu.j2 GV_ADD_EARLY), which is correct
+    only where the launch just before writes nothing of their output (every earlier writer has completed when a
+    dependent starts): both shapes, every decode phase the GEMV takes; no mode-2 launch anywhere right after a writer
+    of its output, and none on the streamed GEMV (gemv_ring*, which reads its residual after the wait)."""
+    from dataclasses import replace as dc_replace
+
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    t = load_target("sm_90a")
+    q8 = SHAPES["qwen3-8b"]
+    small = dc_replace(q8, hidden=576, intermediate=1536, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False,
+                       n_layers=4, vocab_size=49152)
+    for spec in (q8, small):
+        formats = default_formats(spec)
+        plan = plan_memory(spec, formats, [t], None, 4096, 64)
+        prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
+        early = 0
+        for ph in prog.phases:
+            ls = ph.launches
+            for i, x in enumerate(ls):
+                if not x.kernel.startswith("gemv_") or "gated" in x.kernel:
+                    continue
+                out = x.writes[0][0]
+                j = next(j for j, a in enumerate(x.args) if a == {"ptr": out})
+                mode = x.args[j + 4]["i32"]
+                adds_x = out == "x" and mode != 0
+                if mode == 2:
+                    early += 1
+                    assert i > 0 and out not in {b for b, _ in ls[i - 1].writes}, (ph.phase, ph.tokens, x.kernel)
+                    assert not x.kernel.startswith("gemv_ring"), x.kernel
+                if ph.phase == "decode" and adds_x and i > 0 and not x.kernel.startswith("gemv_ring") and \
+                        ls[i - 1].kernel.startswith(("attn_decode", "gemv_gated", "gemv_ring")):
+                    assert mode == 2, (spec.hidden, ph.tokens, ls[i - 1].kernel, x.kernel)
+        if spec is small:      # o and down of every layer in every decode phase (the 8B's take the streamed GEMV or GEMM)
+            gemv_rows = prog.options["gemv_max_rows"]
+            assert early == 2 * spec.n_layers * sum(ph.phase == "decode" and ph.tokens <= gemv_rows
+                                                    for ph in prog.phases), early
+
+
 def test_prefill_qkv_epilogue_program():
     """--prefill-qkv-epilogue (off by default): the Qwen3-8B shape's large prefill phase runs each layer's qkv on
     gemm_wgp_qkv_f16, which writes q and that layer's KV pages itself (its arguments name them, after the norm

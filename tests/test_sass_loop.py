@@ -56,3 +56,58 @@ def test_functions_compare_without_addresses_or_encodings():
     changed = LISTING.replace("PRMT R9, R8, 0x1404, RZ", "PRMT R9, R8, 0x3424, RZ")
     g = sass_loop.functions(changed)
     assert g["k_two"] == f["k_two"] and g["k_one"] != f["k_one"]
+
+
+WAIT_LISTING = """
+		Function : k_wait
+        /*0000*/                   LDG.E.128.STRONG.GPU R4, desc[UR4][R2.64] ;            /* 0x0000000000047981 */
+        /*0010*/                   LDG.E.CONSTANT R8, desc[UR4][R6.64] ;                  /* 0x0000000000087981 */
+        /*0020*/                   ACQBULK ;                                              /* 0x00000000000079b8 */
+        /*0030*/              @!P0 LDG.E.STRONG.GPU R9, desc[UR4][R2.64+0x10] ;           /* 0x0000000000097981 */
+        /*0040*/                   LDG.E.128.CONSTANT R12, desc[UR4][R10.64] ;            /* 0x00000000000c7981 */
+        /*0050*/                   LDS.128 R16, [R0] ;                                    /* 0x0000000000107984 */
+        /*0060*/                   EXIT ;                                                 /* 0x000000000000794d */
+"""
+
+
+def test_wait_split_counts_loads_on_each_side_of_the_wait():
+    before, after = sass_loop.wait_split(sass_loop.instructions(WAIT_LISTING))
+    assert len(before) == 2 and len(after) == 2                 # (the LDS is not a global load)
+    assert [sass_loop.strong(t) for t in before] == [True, False]
+    assert [sass_loop.strong(t) for t in after] == [True, False]
+    none_before, all_after = sass_loop.wait_split(sass_loop.instructions(WAIT_LISTING.replace("ACQBULK", "NOP")))
+    assert none_before == [] and len(all_after) == 4
+
+
+def test_early_loads_stay_ahead_of_the_wait(checkpoints, tmp_path):
+    """The loads the kernels issue before pdl_wait (templates/prelude.cuh.j2 ld_early_*: strong, which ptxas does not
+    move past griddepcontrol.wait as it did the read-only ones) are ahead of the wait in the compiled SASS, and none
+    after it, in the kernels that take them only there: the gated GEMV with the norm in its prologue (per lane four
+    chunks of two 16-byte code loads and two scale loads, the tensor scale, the norm weights: 17 + ceil(HIDDEN / 256)),
+    the norm (its weights) and the sampler (its seven per-row parameters). Counted from the templates' source."""
+    import json
+
+    from impc.compile import CompileOptions, compile_model
+    from impc.emit import nvcc_path
+    from impc.errors import CompileError
+    try:
+        nvcc_path()
+        sass_loop.cuobjdump()
+    except (CompileError, SystemExit) as e:
+        pytest.skip(str(e))
+    out = tmp_path / "qwen3"
+    compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="sm_90a", vram_gib=2,
+                                 max_context=256, max_batch=16, calibrate=False))
+    hidden = json.loads((out / "manifest.json").read_text())["model"]["hidden"]
+    cubin = str(out / "kernels" / "sm_90a.cubin")
+    try:
+        listing = sass_loop.sass(cubin, "rmsnorm_residual")
+    except SystemExit as e:          # cuobjdump without its nvdisasm
+        pytest.skip(str(e))
+    per_thread = -(-hidden // 256)
+    for kernel, want in (("gemv_gated_nvfp4_norm_nb1", 17 + per_thread), ("rmsnorm_residual", per_thread),
+                         ("sample_tokens", 7)):
+        before, after = sass_loop.wait_split(sass_loop.instructions(
+            listing if kernel == "rmsnorm_residual" else sass_loop.sass(cubin, kernel)))
+        assert sum(map(sass_loop.strong, before)) == want, (kernel, before)
+        assert not any(map(sass_loop.strong, after)), (kernel, after)
