@@ -519,13 +519,9 @@ def test_norm_in_the_decode_gemm_tail_program():
     assert (counts[16], counts[32], counts[64]) == (2, 4, 5), counts      # 32 rows: layer 0's down norms layer 1
 
 
-def test_o_after_decode_attention_pdl():
-    """The o projection after the decode attention: under programmatic dependent launch at one row (the streamed GEMV
-    fills its ring during the attention; the per-block GEMV of small shapes starts beside it: measured faster for
-    both), not on the streamed GEMV at 2..4 rows (its blocks waited beside the attention's merging blocks: measured
-    slower), on the per-block GEMV of small shapes at every GEMV row count (measured faster at 2-16 rows), and again
-    on the NVFP4 decode GEMM past them (its weights stream in before its wait; the fp16-copy GEMM of shapes it does
-    not take has no grid-dependency wait)."""
+def decode_shape_programs():
+    """(spec, is the small shape, sm_90a program) of the Qwen3-8B shape and a SmolLM2-like small shape (hidden 576,
+    head dim 64, no q/k norm), default options, planned for 4,096 tokens of context and 64 rows."""
     from dataclasses import replace as dc_replace
 
     from impc.launches import ProgramOptions, build_program
@@ -539,7 +535,17 @@ def test_o_after_decode_attention_pdl():
     for spec in (q8, small):
         formats = default_formats(spec)
         plan = plan_memory(spec, formats, [t], None, 4096, 64)
-        prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
+        yield spec, spec is small, build_program(spec, formats, t, plan, ProgramOptions(), None)
+
+
+def test_o_after_decode_attention_pdl():
+    """The o projection after the decode attention: under programmatic dependent launch at one row (the streamed GEMV
+    fills its ring during the attention; the per-block GEMV of small shapes starts beside it: measured faster for
+    both), not on the streamed GEMV at 2..4 rows (its blocks waited beside the attention's merging blocks: measured
+    slower), on the per-block GEMV of small shapes at every GEMV row count (measured faster at 2-16 rows), and again
+    on the NVFP4 decode GEMM past them (its weights stream in before its wait; the fp16-copy GEMM of shapes it does
+    not take has no grid-dependency wait)."""
+    for spec, small, prog in decode_shape_programs():
         gemv_rows = prog.options["gemv_max_rows"]
         for ph in prog.phases:
             if ph.phase != "decode":
@@ -551,7 +557,7 @@ def test_o_after_decode_attention_pdl():
             streamed = after[0].kernel.startswith("gemv_ring")
             want = (ph.tokens == 1 or (ph.tokens > gemv_rows and after[0].kernel.startswith("gemm_wq"))
                     or (ph.tokens <= gemv_rows and after[0].kernel.startswith("gemv_") and not streamed))
-            if spec is small:           # the per-block GEMV at every GEMV row count: the new rule applies somewhere
+            if small:                   # the per-block GEMV at every GEMV row count: the new rule applies somewhere
                 assert ph.tokens > gemv_rows or not streamed
             assert all(x.pdl == want for x in after), (spec.hidden, ph.tokens, after[0].kernel)
 
@@ -562,20 +568,7 @@ def test_decode_gemv_residual_read_before_the_wait():
     only where the launch just before writes nothing of their output (every earlier writer has completed when a
     dependent starts): both shapes, every decode phase the GEMV takes; no mode-2 launch anywhere right after a writer
     of its output, and none on the streamed GEMV (gemv_ring*, which reads its residual after the wait)."""
-    from dataclasses import replace as dc_replace
-
-    from impc.launches import ProgramOptions, build_program
-    from impc.plan import plan_memory
-    from impc.targets import load_target
-    from tests.test_templates_compile import SHAPES, default_formats
-    t = load_target("sm_90a")
-    q8 = SHAPES["qwen3-8b"]
-    small = dc_replace(q8, hidden=576, intermediate=1536, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False,
-                       n_layers=4, vocab_size=49152)
-    for spec in (q8, small):
-        formats = default_formats(spec)
-        plan = plan_memory(spec, formats, [t], None, 4096, 64)
-        prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
+    for spec, small, prog in decode_shape_programs():
         early = 0
         for ph in prog.phases:
             ls = ph.launches
@@ -593,7 +586,7 @@ def test_decode_gemv_residual_read_before_the_wait():
                 if ph.phase == "decode" and adds_x and i > 0 and not x.kernel.startswith("gemv_ring") and \
                         ls[i - 1].kernel.startswith(("attn_decode", "gemv_gated", "gemv_ring")):
                     assert mode == 2, (spec.hidden, ph.tokens, ls[i - 1].kernel, x.kernel)
-        if spec is small:      # o and down of every layer in every decode phase (the 8B's take the streamed GEMV or GEMM)
+        if small:              # o and down of every layer in every decode phase (the 8B's take the streamed GEMV or GEMM)
             gemv_rows = prog.options["gemv_max_rows"]
             assert early == 2 * spec.n_layers * sum(ph.phase == "decode" and ph.tokens <= gemv_rows
                                                     for ph in prog.phases), early
