@@ -152,8 +152,8 @@ class _Emitter:
         before pdl_wait) where the launch before it does not write out: a kernel lets its dependent start only after
         its own pdl_wait, so every earlier writer of out has completed by then; the residual's L2 round trip leaves
         the epilogue's critical path (o and down, twice a layer). Measured (BENCHMARKS.md, twenty-eighth session):
-        SmolLM2 shape b1 +5.1%, b8 +9.3%. Not the streamed GEMV (gemv_ring*): there the same prefetch cost registers
-        (121 -> 127, a spill in gemv_ring3) and the 8B shape lost 0.3% at one row."""
+        SmolLM2 shape b1 +5.0%, b8 +9.0%. Not the streamed GEMV (gemv_ring*): there the same prefetch cost registers
+        (121 -> 127-128, a spill) and the 8B shape lost 0.3-0.6% at one row."""
         if mode == 1 and not kernel.startswith("gemv_ring") and self.launches \
                 and all(b != out for b, _ in self.launches[-1].writes):
             return GV_ADD_EARLY
