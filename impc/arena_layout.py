@@ -76,6 +76,28 @@ def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str,
     return out
 
 
+# Decode steps without copies (runtime/executor_cuda.py): the host writes a step's values packed, the used rows of each
+# step array one after another (STEP_PACK_SKIP left out: prefill's), into page-locked host memory mapped into the
+# device's address space, and the step's first kernel (embedding_gather*) reads them from there and spreads them over
+# the step arrays; the sampler writes the drawn ids back into mapped host memory. host_io (u64 words, HIO_* in
+# templates/prelude.cuh.j2): 0, 1 the two step slots' device addresses, 2, 3 the two id slots', 4 the id slot of the
+# step that runs, 5 decode steps run (the slot in use: its parity); step_pack (i32): the number of arrays, then each
+# one's (word offset in the step region, words a row).
+HOST_IO_WORDS = 8
+STEP_PACK_SKIP = ("fa_tiles", "chunk_last")
+
+
+def step_pack(rows: int, logit_rows: int, penalties: bool = False) -> tuple[int, ...]:
+    """The step_pack table of the step arrays step_sizes lays out (in the arena's order, each aligned)."""
+    out, at = [], 0
+    for name, (dtype, count) in step_sizes(rows, logit_rows, penalties).items():
+        words = 2 if dtype == "u64" else 1
+        if name not in STEP_PACK_SKIP:
+            out += [at // 4, words]
+        at += aligned(count * words * 4)
+    return (len(out) // 2, *out)
+
+
 def penalty_tables(spec: ModelSpec, max_seqs: int) -> dict[str, tuple[str, tuple[int, int], int]]:
     """The GPU penalties' per-sequence state (rows by sequence slot; the host writes a row when a sequence with
     penalties starts, the sampler adds each token it draws): name -> (dtype, shape, bytes)."""
@@ -147,6 +169,9 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     if penalties:
         out += [(name, "table", dtype, shape, nbytes, None) for name, (dtype, shape, nbytes)
                 in penalty_tables(spec, max_seqs).items()]
+    pack = step_pack(rows, logit_rows, penalties)
+    out.append(("step_pack", "const", "i32", (len(pack),), 4 * len(pack), pack))
+    out.append(("host_io", "table", "u64", (HOST_IO_WORDS,), 8 * HOST_IO_WORDS, None))
     for name, (dtype, count) in step_sizes(rows, logit_rows, penalties).items():
         out.append((name, "step", dtype, (count,), count * (8 if dtype == "u64" else 4), None))
     for name, (dtype, shape, nbytes) in scratch_sizes(spec, rows, logit_rows).items():

@@ -12,8 +12,8 @@ import math
 import dataclasses
 from dataclasses import dataclass, replace
 
-from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, MAX_SEGMENTS, WG_SMALL_CHUNK, aligned, arena_entries,
-                               attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
+from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, HOST_IO_WORDS, MAX_SEGMENTS, STEP_PACK_SKIP, WG_SMALL_CHUNK,
+                               aligned, arena_entries, attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
 from impc.errors import CompileError
 from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div, wq_shape
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
@@ -194,15 +194,24 @@ class ProgramBuilder(LinearLaunches):
         e.add("rmsnorm_add", (rows,), (256,), [ptr(t), ptr(w), ptr("x")],
               [("t", m * h * 4), (w, h * 4), ("x", m * h * 4)], [("x", m * h * 4)])
 
-    def embed(self, e: _Emitter, rows) -> None:
+    def embed(self, e: _Emitter, rows, host: bool = False) -> None:
+        """x rows from the token ids; host (decode phases): the step's values read from mapped host memory first
+        (arena_layout.py step_pack: the kernel writes them into the step arrays)."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         emb = self.lin("embed")
         row_bytes = s.hidden // 2 + s.hidden // BLOCK if emb.fmt == "nvfp4" else s.hidden * 2
         reads = [("tokens", m * 4)] + [(b, min(n, m * row_bytes)) for b, n in emb.reads()]
         kern = "embedding_gather_nvfp4" if emb.fmt == "nvfp4" else "embedding_gather"
         reads += [("token_src", m * 4), ("sampled", self.MB * 4)]     # (a row may feed any of the last step's)
-        e.add(kern, (rows,), (256,), [ptr("tokens"), ptr("token_src"), ptr("sampled"), *emb.weight_args(), ptr("x")],
-              reads, [("x", m * s.hidden * 4)])
+        writes = [("x", m * s.hidden * 4)]
+        if host:
+            reads += [("host_io", 8 * HOST_IO_WORDS), ("step_pack", self.buffers["step_pack"].bytes)]
+            writes += [("host_io", 8 * HOST_IO_WORDS)] + [
+                (b.name, min(b.bytes, m * b.bytes // b.shape[0])) for b in self.buffers.values()
+                if b.kind == "step" and b.name not in STEP_PACK_SKIP]
+        io = [ptr("host_io" if host else None), ptr("step_pack")]
+        e.add(kern, (rows,), (256,), [ptr("tokens"), ptr("token_src"), ptr("sampled"), *emb.weight_args(), ptr("x"), *io],
+              reads, writes)
 
     def rope_inputs(self, i: int) -> list:
         """Layer i's arguments of qkv_rope_cache_f16 (and attn_decode_rope_*) after the qkv rows: bias, q and k norm
@@ -340,11 +349,15 @@ class ProgramBuilder(LinearLaunches):
             reads += [("q", b * s.q_dim * 2)]
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
-    def sample(self, e: _Emitter, rows) -> None:
+    def sample(self, e: _Emitter, rows, host: bool = False) -> None:
         """The GPU sampler over the rows' logits; with --gpu-penalties it first applies each row's penalties from its
-        sequence's token counts and afterwards counts the drawn token (templates/sampler.cu.j2 sample_tokens)."""
+        sequence's token counts and afterwards counts the drawn token (templates/sampler.cu.j2 sample_tokens). host
+        (decode phases): the ids also into the step's mapped host slot, and the step counted (host_io)."""
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
         reads, writes = [("logits", b * v * 4)], [("sampled", b * 4)]
+        if host:
+            reads.append(("host_io", 8 * HOST_IO_WORDS))
+            writes.append(("host_io", 8 * HOST_IO_WORDS))
         if self.opt.gpu_penalties:
             seqs = min(b, self.max_seqs)    # (the tables' rows are sequence slots, whatever the rows)
             pen = [ptr("seq_slot"), ptr("repetition_penalty"), ptr("presence_penalty"), ptr("frequency_penalty"),
@@ -355,7 +368,7 @@ class ProgramBuilder(LinearLaunches):
             pen = [ptr(None)] * 6
         e.add("sample_tokens", (rows,), (1024,),
               [ptr("logits"), ptr("temperature"), ptr("top_k"), ptr("top_p"), ptr("min_p"), ptr("seed"), ptr("step"),
-               ptr("sampled"), *pen], reads, writes)
+               ptr("sampled"), *pen, ptr("host_io" if host else None)], reads, writes)
 
     def decode(self, b: int) -> Phase:
         dec = b <= self.gemv_rows
@@ -368,7 +381,7 @@ class ProgramBuilder(LinearLaunches):
         e = _Emitter(pdl=self.opt.pdl and self.target["compute_capability"][0] >= 9)
         nb = next((x for x in GEMV_NB if x >= b), 0)
         splits = self.attn_splits(b)
-        self.embed(e, b)
+        self.embed(e, b, host=True)
 
         rope = self.opt.rope_in_attention
 
@@ -391,7 +404,7 @@ class ProgramBuilder(LinearLaunches):
 
         self.layers(e, b, attention, dec, nb, split_k=True, rope_in_attention=rope)
         self.head(e, b, dec, nb, split_k=True)
-        self.sample(e, b)
+        self.sample(e, b, host=True)
         return Phase("decode", b, tuple(e.launches))
 
     def prefill_buckets(self) -> list[int]:

@@ -115,12 +115,17 @@ def htod(dst: int, arr: np.ndarray, stream) -> None:
 
 
 class PinnedBuffer:
-    """Page-locked host memory (copies from and to it are truly asynchronous), viewed as bytes."""
+    """Page-locked host memory (copies from and to it are truly asynchronous), viewed as bytes. mapped: also in the
+    device's address space (device_ptr), so kernels read and write it over the bus without a copy; zeroed."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, mapped: bool = False):
         self.nbytes = max(int(nbytes), 16)
-        self.ptr = int(check(cu.cuMemHostAlloc(self.nbytes, 0)))
+        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0
+        self.ptr = int(check(cu.cuMemHostAlloc(self.nbytes, flags)))
         self.array = np.frombuffer((ctypes.c_uint8 * self.nbytes).from_address(self.ptr), np.uint8)
+        self.device_ptr = int(check(cu.cuMemHostGetDevicePointer(self.ptr, 0))) if mapped else 0
+        if mapped:
+            self.array[:] = 0
 
     def view(self, offset: int, dtype, count: int) -> np.ndarray:
         return self.array[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)

@@ -49,6 +49,7 @@ class _Launched:
     chunk_logits: list[bool] = field(default_factory=list)   # the step's chunks whose last-token logits follow
     chunk_sample: list[bool] = field(default_factory=list)   # ... and those whose first token the step sampled
     chunk_head: list[bool] = field(default_factory=list)     # chunks whose last row the step's head took
+    ids_slot: int = -1                  # a decode step through mapped host memory: the id slot its sampler wrote
 
 
 def norm_tail_rows(program) -> int:
@@ -127,6 +128,35 @@ class CudaExecutor:
         out_bytes = 4 * (logit_rows + self.max_segments) * (1 + self.vocab)      # ids, logits rows, chunks' logits
         self._out_bufs = [PinnedBuffer(out_bytes) for _ in range(2)]
         self._out_done = [new_event(), new_event()]
+        # Decode steps without copies on the stream (programs with host_io, impc/arena_layout.py step_pack): a step's
+        # values packed (word 0 its generation, the host's count of decode steps from 1), sent by a small copy on
+        # another stream into one of two device staging slots while the step before runs, and spread over the step
+        # arrays by the step's first kernel; its ids written by the sampler into one of two mapped host slots. The copy
+        # before and the copy after a step's graph on the stream each cost a step 8-12 us (BENCHMARKS.md, twenty-ninth
+        # session). A slot is written again once the step that last read it has run (_slot_done), its host side once
+        # its copy is done (_copied).
+        self._pack: list[tuple[int, int]] = []          # (byte offset in step_host, words a row) in the slots' order
+        self._dec_slots: list[PinnedBuffer] = []
+        self._stage: list[int] = []
+        self._id_slots: list[PinnedBuffer] = []
+        self._slot_done = [new_event(), new_event()]
+        self._copied = [new_event(), new_event()]
+        self._gen = 0
+        self.copy_stream = None
+        if "host_io" in p.buffers:
+            pack = [int(v) for v in p.buffers["step_pack"].values]
+            self._pack = [(4 * pack[1 + 2 * a], pack[2 + 2 * a]) for a in range(pack[0])]
+            # the generation's 16 bytes, the values, and room for the last reader's 16 bytes past them
+            nbytes = 4 * (4 + self.max_batch * sum(w for _, w in self._pack) + 4)
+            self._dec_slots = [PinnedBuffer(nbytes) for _ in range(2)]
+            self._stage = [int(check(cu.cuMemAlloc(nbytes))) for _ in range(2)]
+            for d in self._stage:
+                check(cu.cuMemsetD8Async(d, 0, nbytes, self.stream))
+            self._id_slots = [PinnedBuffer(4 * self.max_batch, mapped=True) for _ in range(2)]
+            self.copy_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+            io = np.zeros(p.buffers["host_io"].shape[0], np.uint64)
+            io[0:4] = [*self._stage, *(b.device_ptr for b in self._id_slots)]
+            htod(self.arena.ptr("host_io"), io, self.stream)
         # a step row may feed the token the previous step sampled for its sequence without the host reading it
         # (StepRow.token None): sid -> 1 + its row in that step's sampled ids
         self.feeds_sampled = "token_src" in self.step
@@ -313,7 +343,12 @@ class CudaExecutor:
         head = self._head_rows(n, chunks)
         self._next_step_buffer()
         b = self._write_step_values(rows) if n else 0
-        if not chunks:
+        ids_slot = -1
+        if not chunks and self._pack:         # through the staging slots: no copy on the stream
+            ids_slot = q = self.stage_step(b)
+            self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
+            check(cu.cuEventRecord(self._slot_done[q], self.stream))
+        elif not chunks:
             self._send_step()
             self.phases[("decode", b)].run(self.stream, None if self.use_graphs else {})
         else:       # the chunks' rows follow the decode rows
@@ -324,7 +359,7 @@ class CudaExecutor:
         # the logits rows asked for: decode rows', then chunks' (head row n + k for the k-th chunk with a head row)
         ids = n + sum(head)
         out = self._out_bufs[(self._launched + 1) % 2]
-        if ids:
+        if ids and ids_slot < 0:
             check(cu.cuMemcpyDtoHAsync(out.ptr, self.arena.ptr("sampled"), 4 * ids, self.stream))
         want = [i for i, r in enumerate(rows) if r.want_logits]
         want += [n + k for k, c in enumerate(c for c, h in zip(chunks, head) if h) if c.want_logits]
@@ -349,7 +384,28 @@ class CudaExecutor:
                 k += 1
                 if c.sample:
                     self._sampled_rows[c.sid] = k
-        return _Launched(self._launched, n, want, [c.want_logits for c in chunks], [c.sample for c in chunks], head)
+        return _Launched(self._launched, n, want, [c.want_logits for c in chunks], [c.sample for c in chunks], head,
+                         ids_slot)
+
+    def stage_step(self, b: int) -> int:
+        """The step values in step_host (b rows) packed into the next generation's staging slot, its copy queued on
+        the copy stream and the stream made to wait for it (a decode phase's first kernel reads the slot); the slot.
+        A decode phase's sampler makes the generation the device's last (host_io HIO_GEN); a caller that runs the
+        first kernel without it (a kernel test) writes that word itself, or the next step's values go unread."""
+        self._gen += 1
+        q = self._gen & 1
+        check(cu.cuEventSynchronize(self._copied[q]))         # the host slot's last copy is done
+        slot = self._dec_slots[q]
+        slot.view(0, np.uint32, 1)[0] = self._gen & 0xFFFFFFFF
+        at = 16
+        for off, w in self._pack:
+            slot.array[at:at + 4 * w * b] = self.step_host.array[off:off + 4 * w * b]
+            at += 4 * w * b
+        check(cu.cuStreamWaitEvent(self.copy_stream, self._slot_done[q], 0))   # the step that read it last has run
+        check(cu.cuMemcpyHtoDAsync(self._stage[q], slot.ptr, at + 16, self.copy_stream))
+        check(cu.cuEventRecord(self._copied[q], self.copy_stream))
+        check(cu.cuStreamWaitEvent(self.stream, self._copied[q], 0))
+        return q
 
     def _head_rows(self, n: int, chunks: list[PrefillChunk]) -> list[bool]:
         """Which chunks' last rows the step's head takes after its n decode rows: every chunk sampled in the step,
@@ -426,7 +482,8 @@ class CudaExecutor:
         n, row_bytes = handle.rows, 4 * self.vocab
         heads = handle.chunk_head
         ids = n + sum(heads)
-        sampled = out.view(0, np.int32, ids).tolist() if ids else []
+        ids_buf = self._id_slots[handle.ids_slot] if handle.ids_slot >= 0 else out
+        sampled = ids_buf.view(0, np.int32, ids).tolist() if ids else []
         rows = {i: out.view(4 * ids + k * row_bytes, np.float32, self.vocab).copy()
                 for k, i in enumerate(handle.want_logits)}
         logits = {i: v for i, v in rows.items() if i < n}
@@ -468,9 +525,15 @@ class CudaExecutor:
         """Give every device allocation back (the executor is unusable afterwards)."""
         for ph in getattr(self, "phases", {}).values():
             ph.release()
-        for buf in getattr(self, "_step_bufs", []) + getattr(self, "_out_bufs", []):
+        for buf in (getattr(self, "_step_bufs", []) + getattr(self, "_out_bufs", []) + getattr(self, "_dec_slots", [])
+                    + getattr(self, "_id_slots", [])):
             buf.free()
-        for ev in getattr(self, "_step_sent", []) + getattr(self, "_out_done", []):
+        for d in getattr(self, "_stage", []):
+            cu.cuMemFree(d)
+        if getattr(self, "copy_stream", None) is not None:
+            cu.cuStreamDestroy(self.copy_stream)
+        for ev in (getattr(self, "_step_sent", []) + getattr(self, "_out_done", []) + getattr(self, "_slot_done", [])
+                   + getattr(self, "_copied", [])):
             cu.cuEventDestroy(ev)
         if getattr(self, "arena", None) is not None:
             self.arena.free()

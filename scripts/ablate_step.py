@@ -3,7 +3,9 @@
 kernel kind left out (the result is wrong, the timing is what a fusion that removes those launches could
 win at most), next to the full step. Graph replays timed with CUDA events, median of --reps.
 
-Usage: python scripts/ablate_step.py BUNDLE [--tokens 1] [--drop rmsnorm_residual,qkv_rope_cache_f16,...]"""
+Usage: python scripts/ablate_step.py BUNDLE [--tokens 1] [--drop rmsnorm_residual,qkv_rope_cache_f16,...]
+A kind KERNEL@NAME drops only the launches of KERNEL... that take a buffer whose name ends with NAME (e.g.
+gemv_nvfp4_nb1@.o.codes: the o projections, not the down ones that run the same kernel)."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +56,9 @@ def main() -> int:
     print(f"{ex.bundle.name}: decode {b} at context {a.context}, {len(full.launches)} launches, "
           f"step {base:.1f} us ({a.tokens * 1e6 / base:.0f} tok/s)")
     for kind in a.drop.split(","):
-        kept = tuple(x for x in full.launches if not x.kernel.startswith(kind))
+        kern, _, arg = kind.partition("@")
+        kept = tuple(x for x in full.launches if not (x.kernel.startswith(kern) and (
+            not arg or any(str(v.get("ptr", "")).endswith(arg) for v in x.args if isinstance(v, dict)))))
         n = len(full.launches) - len(kept)
         if not n:
             continue

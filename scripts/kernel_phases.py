@@ -9,7 +9,11 @@ Marked kernels (TIMER_GEMV, TIMER_ATTN, TIMER_NORM, TIMER_ROPE in templates/prel
   gemv_ring_*       0 entry, 1 past pdl_wait, 2 first stage landed, 3 last stage done, 4 exit (warp 0's view);
                     and the share of thread 0's loop spent waiting for its stages (memory) against computing
   attn_decode_f16*  0 entry, 1 past pdl_wait, 2 splits done (partials stored), 3 counted in; the merging blocks:
-                    5 past the count, 7 weights staged, 6 thread 0's outputs summed, 4 merged (outputs stored)
+                    5 past the count, 7 weights staged, 6 thread 0's outputs summed, 4 merged (outputs stored);
+                    a sequence of one split (attn_decode_rope_*): 3 q staged, 5 first chunk landed, 4 second
+                    chunk landed, 7 chunks done, 6 outputs stored (under the merge's names)
+  gemv_nvfp4*, gemv_gated_nvfp4* (the per-block GEMVs) 0 entry, 1 past pdl_wait, 2 the norm's planes staged (*_norm),
+                    3 the block's sums reduced, 4 exit
   rmsnorm_residual  0 entry, 1 past pdl_wait, 2 thread 0's loads summed, 3 the block's sum reduced, 4 exit
   qkv_rope_cache_f16 0 entry, 1 past pdl_wait, 4 exit
 --with KIND prints the last launch of another marked kind before the timed one on the same time axis (e.g. the
@@ -33,8 +37,10 @@ FAMILIES = {"gemv_ring": (0, ("entry", "past pdl_wait", "first stage landed", "l
             "attn_decode": (1, ("entry", "past pdl_wait", "splits done", "counted in", "merged", "merge start",
                                 "outputs summed", "weights staged"), (0, 1, 2, 3, 5, 7, 6, 4)),
             "rmsnorm_residual": (2, ("entry", "past pdl_wait", "loads summed", "sum reduced", "exit"), (0, 1, 2, 3, 4)),
-            "qkv_rope": (3, ("entry", "past pdl_wait", "", "", "exit"), (0, 1, 4))}
-TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES = 4, 1024, 8     # templates/prelude.cuh.j2
+            "qkv_rope": (3, ("entry", "past pdl_wait", "", "", "exit"), (0, 1, 4)),
+            "gemv_nvfp4": (4, ("entry", "past pdl_wait", "norm planes", "sums reduced", "exit"), (0, 1, 2, 3, 4)),
+            "gemv_gated_nvfp4": (5, ("entry", "past pdl_wait", "norm planes", "sums reduced", "exit"), (0, 1, 2, 3, 4))}
+TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES = 6, 1024, 8     # templates/prelude.cuh.j2
 
 
 def phase_table(timers, blocks: int, names, start=None) -> list[tuple[str, int, float, float, float]]:

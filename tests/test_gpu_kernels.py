@@ -659,23 +659,41 @@ def test_rmsnorm_add(ex):
     assert rel(get(ex, buf(x, 2), np.float32, 4 * s.hidden).reshape(4, -1), ref) <= 1e-5
 
 
-def test_embedding(ex):
+@pytest.mark.parametrize("staged", [False, True])
+def test_embedding(ex, staged):
     """embedding_gather (bf16) or embedding_gather_nvfp4: x = embed[token] * embed_scale, against the
     table read back and de-quantized by the reference (runtime/nvfp4.py); a row whose token_src is j > 0 takes the
-    token in sampled[j - 1] (the previous step's, left on the device) instead of tokens."""
+    token in sampled[j - 1] (the previous step's, left on the device) instead of tokens. staged: the decode phase's
+    launch, whose step values come packed through a staging slot (executor stage_step): it also writes them into
+    the step arrays (tokens, token_src, positions checked). Else the prefill phase's, reading the arrays."""
     from imp_runtime.bundle import bf16_to_f32
     from imp_runtime.nvfp4 import dequantize
     s, rng = ex.spec, np.random.default_rng(2)
-    i, x = find(ex, "decode", 8, "embedding_gather")
+    if staged and not ex._pack:
+        pytest.skip("a bundle compiled before the staged step values")
+    phase, n = ("decode", 8) if staged else ("prefill", ex.prefill_buckets[0])
+    i, x = find(ex, phase, n, "embedding_gather")
     tokens = rng.integers(0, s.vocab_size, 8).astype(np.int32)
     sampled = rng.integers(0, s.vocab_size, 8).astype(np.int32)
     src = np.array([0, 3, 0, 1, 8, 0, 0, 5], np.int32)
-    put(ex, "tokens", tokens)
-    put(ex, "token_src", src)
+    positions = rng.integers(0, 1000, 8).astype(np.int32)
     put(ex, "sampled", sampled)
-    out = buf(x, len(x.args) - 1)
+    out = next(a["ptr"] for a in x.args if a.get("ptr") == "x")
     poison(ex, out)
-    run(ex, "decode", 8, i)
+    if staged:
+        for name in ("tokens", "token_src", "positions"):
+            poison(ex, name)
+        ex.step["tokens"][:8], ex.step["token_src"][:8], ex.step["positions"][:8] = tokens, src, positions
+        ex.stage_step(8)
+        run(ex, phase, n, i)
+        put(ex, "host_io", np.array([ex._gen], np.uint64), offset=5 * 8)   # (HIO_GEN: as the step's sampler would)
+        assert np.array_equal(get(ex, "tokens", np.int32, 8), tokens)
+        assert np.array_equal(get(ex, "token_src", np.int32, 8), src)
+        assert np.array_equal(get(ex, "positions", np.int32, 8), positions)
+    else:
+        put(ex, "tokens", tokens)
+        put(ex, "token_src", src)
+        run(ex, phase, n, i, rows=8)
     v, h = s.vocab_size, s.hidden
     if x.kernel.endswith("nvfp4"):
         table = dequantize(get(ex, buf(x, 3), np.uint8, v * h // 2).reshape(v, h // 2),

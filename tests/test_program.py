@@ -674,3 +674,30 @@ def test_norm_prologue_bf16_option():
     assert {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} <= kernels_not_launched(
         spec, t, ProgramOptions(norm_prologue_bf16=False))
     assert not {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"} & kernels_not_launched(spec, t, ProgramOptions())
+
+
+def test_decode_step_values_staged_not_copied():
+    """Decode phases take their step values from a staging slot, not a copy of the step region before the graph: their
+    first launch (the embedding) gets host_io and the step_pack table, whose (word offset, words a row) pairs are, in
+    the arena's order, those of every step array but prefill's (fa_tiles, chunk_last), offsets counted from tokens
+    (the first); their sampler gets host_io (it writes the ids into the mapped host slot). Prefill phases read the
+    copied step region: null host_io in both kernels."""
+    from impc.arena_layout import STEP_PACK_SKIP
+    for _, _, p in decode_shape_programs():
+        step = sorted((b for b in p.buffers.values() if b.kind == "step"), key=lambda b: b.offset)
+        assert step[0].name == "tokens" and step[1].name == "token_src"
+        pack = [int(v) for v in p.buffers["step_pack"].values]
+        pairs = [(pack[1 + 2 * a], pack[2 + 2 * a]) for a in range(pack[0])]
+        want = [((b.offset - step[0].offset) // 4, 2 if b.dtype == "u64" else 1)
+                for b in step if b.name not in STEP_PACK_SKIP]
+        assert pairs == want and len(pairs) == len(step) - len(STEP_PACK_SKIP)
+        assert all((b.offset - step[0].offset) % 4 == 0 for b in step)
+        for ph in p.phases:
+            if ph.phase not in ("decode", "prefill"):
+                continue
+            emb = ph.launches[0]
+            assert emb.kernel.startswith("embedding_gather")
+            samplers = [x for x in ph.launches if x.kernel == "sample_tokens"]
+            io = {"ptr": "host_io"} if ph.phase == "decode" else {"ptr": None}
+            assert emb.args[-2:] == (io, {"ptr": "step_pack"}), (ph.phase, ph.tokens)
+            assert samplers and all(x.args[-1] == io for x in samplers), (ph.phase, ph.tokens)

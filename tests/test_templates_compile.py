@@ -166,7 +166,7 @@ def test_gpu_penalties_program():
                           ProgramOptions(gpu_penalties=False), None)
     assert not any(n in plain.buffers for n in names)
     samplers = [x for ph in plain.phases for x in ph.launches if x.kernel == "sample_tokens"]
-    assert samplers and all(x.args[8:] == ({"ptr": None},) * 6 for x in samplers)
+    assert samplers and all(x.args[8:14] == ({"ptr": None},) * 6 for x in samplers)
     plan = plan_memory(spec, formats, [t], None, 512, 64)
     prog = build_program(spec, formats, t, plan, ProgramOptions(), None)
     assert all(n in prog.buffers for n in names)
@@ -179,5 +179,5 @@ def test_gpu_penalties_program():
         if "sample_tokens" not in ks:
             continue
         x = ph.launches[ks.index("sample_tokens")]
-        assert [a["ptr"] for a in x.args[8:]] == ["seq_slot", *names[2:], "pen_counts", "pen_seen"], (ph.phase, ph.tokens)
+        assert [a["ptr"] for a in x.args[8:14]] == ["seq_slot", *names[2:], "pen_counts", "pen_seen"], (ph.phase, ph.tokens)
         assert {"pen_counts", "pen_seen"} <= {b for b, _ in x.reads} and "pen_counts" in {b for b, _ in x.writes}

@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""What a decode step costs on the GPU beyond its graph: N steps back to back on the executor's stream, timed with
+events, as (1) the graph alone, (2) the step values' host-to-device copy and the graph, (3) the graph and the sampled
+ids' device-to-host copy, (4) both copies (what decode_submit queues), and (5) the executor's own submit / collect
+loop (the bench's "ahead" decode: host work beside the GPU). The differences say how much of a step is the copies'
+and the launches' gaps rather than kernels.
+
+Usage: python scripts/step_gap.py BUNDLE [--tokens 1] [--context 100] [--steps 200]"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.cuda_driver import check, cu
+    from imp_runtime.executor import StepRow
+    from imp_runtime.executor_cuda import CudaExecutor
+    from scripts.decode_setup import decode_phase_at_context
+
+    ex = CudaExecutor(load_bundle(a.bundle))
+    ph = decode_phase_at_context(ex, a.tokens, a.context)
+    bp = ex.phases[("decode", ph.tokens)]
+    e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+    out = ex._out_bufs[0]
+
+    def timed(step) -> float:
+        ts = []
+        for _ in range(a.rounds):
+            step()
+            check(cu.cuEventRecord(e0, ex.stream))
+            for _ in range(a.steps):
+                step()
+            check(cu.cuEventRecord(e1, ex.stream))
+            check(cu.cuEventSynchronize(e1))
+            ts.append(check(cu.cuEventElapsedTime(e0, e1)) * 1e3 / a.steps)
+        return statistics.median(ts)
+
+    def h2d():
+        check(cu.cuMemcpyHtoDAsync(ex.arena.base + ex.step_off, ex.step_host.ptr, ex.step_host.nbytes, ex.stream))
+
+    def d2h():
+        check(cu.cuMemcpyDtoHAsync(out.ptr, ex.arena.ptr("sampled"), 4 * ph.tokens, ex.stream))
+
+    rows = {"graph": timed(lambda: bp.run(ex.stream)),
+            "h2d + graph": timed(lambda: (h2d(), bp.run(ex.stream))),
+            "graph + d2h": timed(lambda: (bp.run(ex.stream), d2h())),
+            "h2d + graph + d2h": timed(lambda: (h2d(), bp.run(ex.stream), d2h()))}
+    # the executor's loop (the bench's ahead decode), host time included, at the same context
+    from imp_runtime.kv_blocks import BlockManager, SoloSequence
+    import numpy as np
+    blocks = BlockManager(ex.num_pages, ex.page_size)
+    rng = np.random.default_rng(1)
+    seqs = [SoloSequence(ex, blocks) for _ in range(a.tokens)]
+    for s in seqs:
+        s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
+        s._cover(s.length + a.steps + 2)
+    start = seqs[0].length
+    ts = []
+    for _ in range(a.rounds):           # (each round from the same position: the context of the graph rows above)
+        pos = start
+        ex.decode([StepRow(s.sid, 5, pos) for s in seqs])
+        pos += 1
+        t = time.perf_counter()
+        last = None
+        for i in range(a.steps):
+            h = ex.decode_submit([StepRow(s.sid, None, pos) for s in seqs])
+            if last is not None:
+                ex.decode_collect(last)
+            last, pos = h, pos + 1
+        ex.decode_collect(last)
+        ts.append((time.perf_counter() - t) * 1e6 / a.steps)
+    rows["executor submit / collect"] = statistics.median(ts)
+    print(f"{ex.bundle.name}: decode {ph.tokens} at context {a.context}, {a.steps} steps a round, medians of "
+          f"{a.rounds} rounds (us a step)")
+    for k, v in rows.items():
+        print(f"  {k:28s} {v:8.1f}  (+{v - rows['graph']:.1f})")
+    ex.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
