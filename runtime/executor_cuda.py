@@ -165,6 +165,7 @@ class CudaExecutor:
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
         self._launched = 0                # decode steps launched so far
+        self._collected = 0               # ... and the last one collected (none in flight where equal)
         self.free_slots = list(range(self.max_seqs - 1, 0, -1))
         check(cu.cuStreamSynchronize(self.stream))
         self.use_graphs = use_graphs
@@ -390,6 +391,10 @@ class CudaExecutor:
     def stage_step(self, b: int) -> int:
         """The step values in step_host (b rows) packed into the next generation's staging slot, its copy queued on
         the copy stream and the stream made to wait for it (a decode phase's first kernel reads the slot); the slot.
+        Where no step is in flight (each step submitted after the last one's ids were read: host sampling, structured
+        output) the copy goes on the stream itself: nothing runs beside it to hide it, and the event hop between the
+        streams would be on the step's path (with it on every step, such steps measured 1-4% slower; BENCHMARKS.md,
+        twenty-ninth session).
         A decode phase's sampler makes the generation the device's last (host_io HIO_GEN); a caller that runs the
         first kernel without it (a kernel test) writes that word itself, or the next step's values go unread."""
         self._gen += 1
@@ -401,10 +406,14 @@ class CudaExecutor:
         for off, w in self._pack:
             slot.array[at:at + 4 * w * b] = self.step_host.array[off:off + 4 * w * b]
             at += 4 * w * b
-        check(cu.cuStreamWaitEvent(self.copy_stream, self._slot_done[q], 0))   # the step that read it last has run
-        check(cu.cuMemcpyHtoDAsync(self._stage[q], slot.ptr, at + 16, self.copy_stream))
-        check(cu.cuEventRecord(self._copied[q], self.copy_stream))
-        check(cu.cuStreamWaitEvent(self.stream, self._copied[q], 0))
+        beside = self._collected < self._launched            # a step in flight: copy beside it
+        stream = self.copy_stream if beside else self.stream
+        if beside:
+            check(cu.cuStreamWaitEvent(self.copy_stream, self._slot_done[q], 0))   # the step that read it last has run
+        check(cu.cuMemcpyHtoDAsync(self._stage[q], slot.ptr, at + 16, stream))
+        check(cu.cuEventRecord(self._copied[q], stream))
+        if beside:
+            check(cu.cuStreamWaitEvent(self.stream, self._copied[q], 0))
         return q
 
     def _head_rows(self, n: int, chunks: list[PrefillChunk]) -> list[bool]:
@@ -478,6 +487,7 @@ class CudaExecutor:
         if handle.number < self._launched - 1:      # its results buffer holds a later step's now
             raise RuntimeError(f"decode step {handle.number} was collected after step {self._launched} was launched")
         check(cu.cuEventSynchronize(self._out_done[handle.number % 2]))
+        self._collected = max(self._collected, handle.number)
         out = self._out_bufs[handle.number % 2]
         n, row_bytes = handle.rows, 4 * self.vocab
         heads = handle.chunk_head
