@@ -24,6 +24,7 @@ from imp_runtime.cuda_arena import NP_DTYPES, DeviceArena
 from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod, new_event
 from imp_runtime.cuda_program import BoundPhase
 from imp_runtime.executor import PrefillChunk, StepResult, StepRow
+from imp_runtime.program import pack_step
 from imp_runtime.sampler import SamplingParams
 
 __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
@@ -144,8 +145,7 @@ class CudaExecutor:
         self._gen = 0
         self.copy_stream = None
         if "host_io" in p.buffers:
-            pack = [int(v) for v in p.buffers["step_pack"].values]
-            self._pack = [(4 * pack[1 + 2 * a], pack[2 + 2 * a]) for a in range(pack[0])]
+            self._pack = p.step_pack()
             # the generation's 16 bytes, the values, and room for the last reader's 16 bytes past them
             nbytes = 4 * (4 + self.max_batch * sum(w for _, w in self._pack) + 4)
             self._dec_slots = [PinnedBuffer(nbytes) for _ in range(2)]
@@ -401,11 +401,7 @@ class CudaExecutor:
         q = self._gen & 1
         check(cu.cuEventSynchronize(self._copied[q]))         # the host slot's last copy is done
         slot = self._dec_slots[q]
-        slot.view(0, np.uint32, 1)[0] = self._gen & 0xFFFFFFFF
-        at = 16
-        for off, w in self._pack:
-            slot.array[at:at + 4 * w * b] = self.step_host.array[off:off + 4 * w * b]
-            at += 4 * w * b
+        at = pack_step(self.step_host.array, self._pack, b, self._gen, slot.array)
         beside = self._collected < self._launched            # a step in flight: copy beside it
         stream = self.copy_stream if beside else self.stream
         if beside:

@@ -31,6 +31,8 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 ALIGN = 256
 VERSION = 2          # 2: symbol expressions may carry a "range" (launches gated on a step's rows); an older runtime
 READS = (1, 2)       # would run every alternative, so it must refuse such a program
@@ -99,6 +101,28 @@ class Program:
         lo = min(b.offset for b in step)
         hi = max(b.offset + b.bytes for b in step)
         return lo, hi - lo
+
+    def step_pack(self) -> list[tuple[int, int]]:
+        """A decode step's packed values (impc/arena_layout.py step_pack; [] for programs compiled before them): (byte
+        offset in the step region, 4-byte words a row) of each array, in the order they are packed."""
+        if "step_pack" not in self.buffers:
+            return []
+        t = [int(v) for v in self.buffers["step_pack"].values]
+        return [(4 * t[1 + 2 * a], t[2 + 2 * a]) for a in range(t[0])]
+
+
+def pack_step(region: np.ndarray, pack: list[tuple[int, int]], rows: int, generation: int, out: np.ndarray) -> int:
+    """A decode step's values as its first kernel reads them (templates/embedding.cu.j2 step_token): into the bytes
+    out, the generation (a 16-byte header), then the first `rows` rows of each array of the step region's bytes
+    `region`, in `pack` order (Program.step_pack); the bytes used."""
+    out[:16] = 0
+    out[:4] = np.frombuffer(np.uint32(generation & 0xFFFFFFFF).tobytes(), np.uint8)
+    at = 16
+    for off, w in pack:
+        n = 4 * w * rows
+        out[at:at + n] = region[off:off + n]
+        at += n
+    return at
 
 
 # ------------------------------------------------------------------ values

@@ -701,3 +701,34 @@ def test_decode_step_values_staged_not_copied():
             io = {"ptr": "host_io"} if ph.phase == "decode" else {"ptr": None}
             assert emb.args[-2:] == (io, {"ptr": "step_pack"}), (ph.phase, ph.tokens)
             assert samplers and all(x.args[-1] == io for x in samplers), (ph.phase, ph.tokens)
+
+
+def test_pack_step_is_each_arrays_first_rows_in_table_order():
+    """runtime/program.py pack_step (the executor's staged decode values) against a hand-made region: each step array
+    filled with values that name it and its row, packed rows are the arrays' first rows in step_pack order after the
+    generation's 16 bytes, and nothing of a row past `rows` or of prefill's arrays (fa_tiles, chunk_last) is packed."""
+    import numpy as np
+
+    from imp_runtime.program import pack_step
+    _, _, p = next(decode_shape_programs())
+    lo, nbytes = p.step_region()
+    region = np.zeros(nbytes, np.uint8)
+    words = region.view(np.uint32)
+    step = sorted((b for b in p.buffers.values() if b.kind == "step"), key=lambda b: b.offset)
+    for k, b in enumerate(step):
+        at = (b.offset - lo) // 4
+        n = b.bytes // 4
+        words[at:at + n] = (k + 1) * 100000 + np.arange(n)      # array k+1, word j
+    rows = 5
+    out = np.full(16 + nbytes, 0xEE, np.uint8)
+    used = pack_step(region, p.step_pack(), rows, 0x1234567, out)
+    packed = out[16:used].view(np.uint32)
+    want = []
+    for k, b in enumerate(step):
+        if b.name in ("fa_tiles", "chunk_last"):
+            continue
+        per_row = 2 if b.dtype == "u64" else 1
+        want += [(k + 1) * 100000 + j for j in range(rows * per_row)]
+    assert out[:16].view(np.uint32).tolist() == [0x1234567, 0, 0, 0]
+    assert packed.tolist() == want and used == 16 + 4 * len(want)
+    assert (out[used:] == 0xEE).all()
