@@ -76,13 +76,14 @@ def step_sizes(rows: int, logit_rows: int, penalties: bool = False) -> dict[str,
     return out
 
 
-# Decode steps without copies (runtime/executor_cuda.py): the host writes a step's values packed, the used rows of each
-# step array one after another (STEP_PACK_SKIP left out: prefill's), into page-locked host memory mapped into the
-# device's address space, and the step's first kernel (embedding_gather*) reads them from there and spreads them over
-# the step arrays; the sampler writes the drawn ids back into mapped host memory. host_io (u64 words, HIO_* in
-# templates/prelude.cuh.j2): 0, 1 the two step slots' device addresses, 2, 3 the two id slots', 4 the id slot of the
-# step that runs, 5 decode steps run (the slot in use: its parity); step_pack (i32): the number of arrays, then each
-# one's (word offset in the step region, words a row).
+# Decode steps without copies on the step's stream (runtime/executor_cuda.py stage_step): the host packs a step's
+# values, the used rows of each step array one after another (STEP_PACK_SKIP left out: prefill's), behind a 16-byte
+# generation header, and sends them by a small copy into one of two device staging slots; the step's first kernel
+# (templates/embedding.cu.j2 step_token) spreads them over the step arrays, and the sampler writes the drawn ids into
+# mapped host memory. host_io (u64 words, HIO_* in templates/prelude.cuh.j2): 0, 1 the two staging slots' device
+# addresses, 2, 3 the two id slots', 4 the id slot of the step that runs, 5 the generation the device ran last, 6 the
+# one the running step took; step_pack (i32): the number of arrays, then each one's (word offset in the step region,
+# words a row).
 HOST_IO_WORDS = 8
 STEP_PACK_SKIP = ("fa_tiles", "chunk_last")
 

@@ -195,8 +195,8 @@ class ProgramBuilder(LinearLaunches):
               [("t", m * h * 4), (w, h * 4), ("x", m * h * 4)], [("x", m * h * 4)])
 
     def embed(self, e: _Emitter, rows, host: bool = False) -> None:
-        """x rows from the token ids; host (decode phases): the step's values read from mapped host memory first
-        (arena_layout.py step_pack: the kernel writes them into the step arrays)."""
+        """x rows from the token ids; host (decode phases): the step's values first taken from their staging slot and
+        written into the step arrays (arena_layout.py step_pack)."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         emb = self.lin("embed")
         row_bytes = s.hidden // 2 + s.hidden // BLOCK if emb.fmt == "nvfp4" else s.hidden * 2
@@ -352,7 +352,8 @@ class ProgramBuilder(LinearLaunches):
     def sample(self, e: _Emitter, rows, host: bool = False) -> None:
         """The GPU sampler over the rows' logits; with --gpu-penalties it first applies each row's penalties from its
         sequence's token counts and afterwards counts the drawn token (templates/sampler.cu.j2 sample_tokens). host
-        (decode phases): the ids also into the step's mapped host slot, and the step counted (host_io)."""
+        (decode phases): the ids also into the step's mapped host slot, and the generation the step took made the device's
+        last (host_io)."""
         b, v = ev(rows, self.rows_max, self.MB), self.spec.vocab_size
         reads, writes = [("logits", b * v * 4)], [("sampled", b * 4)]
         if host:
