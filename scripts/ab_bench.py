@@ -4,12 +4,17 @@ alternate the two bundles in one process's lifetime each (A, B, A, B, ...), so d
 falls on both; per measurement, the median of the rounds for each bundle and the change. The bench's own spread
 between rounds is printed with it: a change smaller than that is noise.
 
-Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [--rounds 3] [--batches 1,2,4] [--pp 128] [--runs 3]"""
+Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [--rounds 3] [--batches 1,2,4] [--pp 128] [--runs 3]
+       [--path-a DIR] [--path-b DIR]
+
+--path-a / --path-b put a directory first on that side's PYTHONPATH: an A/B of two runtimes (a directory holding
+another imp_runtime package) on one bundle, which may then be both A_BUNDLE and B_BUNDLE."""
 from __future__ import annotations
 
 import argparse
 import re
 import statistics
+import os
 import subprocess
 import sys
 
@@ -60,20 +65,30 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--pp", default="128")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--path-a", default=None, help="a directory first on A's PYTHONPATH (another imp_runtime)")
+    ap.add_argument("--path-b", default=None, help="the same for B")
     x = ap.parse_args()
+
+    def env_for(extra: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        if extra:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
+        return env
+
     rounds: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     for r in range(x.rounds):
-        for tag, bundle in (("A", x.a), ("B", x.b)):
+        for tag, bundle, extra in (("A", x.a, x.path_a), ("B", x.b, x.path_b)):
             cmd = [sys.executable, "-m", "impc.cli", "bench", bundle, "--batches", x.batches, "--pp", x.pp,
                    "--runs", str(x.runs)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env_for(extra))
             if p.returncode != 0:
                 print(f"error: bench of {bundle} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
                 return 1
             got = parse_bench(p.stdout)
             rounds[tag].append(got)
             print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
-    print(f"\nA = {x.a}\nB = {x.b}\n{x.rounds} alternating rounds, medians (tok/s; bandwidths TB/s):")
+    print(f"\nA = {x.a}{f' (PYTHONPATH first: {x.path_a})' if x.path_a else ''}\n"
+          f"B = {x.b}{f' (PYTHONPATH first: {x.path_b})' if x.path_b else ''}\n{x.rounds} alternating rounds, medians (tok/s; bandwidths TB/s):")
     print(f"  {'measurement':18s} {'A':>10s} {'B':>10s} {'B vs A':>8s} {'A spread':>9s} {'B spread':>9s}")
     for n, ma, mb, d, sa, sb in summarize(rounds):
         digits = 2 if n.endswith("TB/s") else 1
