@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """What a decode step costs on the GPU beyond its graph: N steps back to back on the executor's stream, timed with
 events, as (1) the graph alone, (2) the step values' host-to-device copy and the graph, (3) the graph and the sampled
-ids' device-to-host copy, (4) both copies (what decode_submit queues), and (5) the executor's own submit / collect
-loop (the bench's "ahead" decode: host work beside the GPU). The differences say how much of a step is the copies'
-and the launches' gaps rather than kernels.
+ids' device-to-host copy, (4) both copies (what a step queued before the staged step values), and (5) the executor's
+own submit / collect loop (the bench's "ahead" decode: host work beside the GPU), every step at the same position so
+that its context is the graph rows'; with the host's time in decode_submit and decode_collect and how often the GPU
+had finished the step before when the host came to collect it (--profile: where that host time goes). The
+differences say how much of a step is the copies' and the launches' gaps rather than kernels.
 
-Usage: python scripts/step_gap.py BUNDLE [--tokens 1] [--context 100] [--steps 200]"""
+Usage: python scripts/step_gap.py BUNDLE [--tokens 1] [--context 100] [--steps 200] [--profile]"""
 from __future__ import annotations
 
 import argparse
