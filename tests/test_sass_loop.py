@@ -84,7 +84,9 @@ def test_early_loads_stay_ahead_of_the_wait(checkpoints, tmp_path):
     move past griddepcontrol.wait as it did the read-only ones) are ahead of the wait in the compiled SASS, and none
     after it, in the kernels that take them only there: the gated GEMV with the norm in its prologue (per lane four
     chunks of two 16-byte code loads and two scale loads, the tensor scale, the norm weights: 17 + ceil(HIDDEN / 256)),
-    the norm (its weights) and the sampler (its seven per-row parameters). Counted from the templates' source."""
+    the norm (its weights), the sampler (its seven per-row parameters) and the q/k norm + RoPE kernel (the token's
+    position and slot, and per lane pair of its head two bias values, two norm weights and one inverse frequency:
+    prelude rope_consts). Counted from the templates' source."""
     import json
 
     from impc.compile import CompileOptions, compile_model
@@ -98,7 +100,9 @@ def test_early_loads_stay_ahead_of_the_wait(checkpoints, tmp_path):
     out = tmp_path / "qwen3"
     compile_model(CompileOptions(model=str(checkpoints("qwen3")), out=out, targets="sm_90a", vram_gib=2,
                                  max_context=256, max_batch=16, calibrate=False))
-    hidden = json.loads((out / "manifest.json").read_text())["model"]["hidden"]
+    model = json.loads((out / "manifest.json").read_text())["model"]
+    hidden, rope_pairs = model["hidden"], -(-model["head_dim"] // 64)
+    assert model["qk_norm"]
     cubin = str(out / "kernels" / "sm_90a.cubin")
     try:
         listing = sass_loop.sass(cubin, "rmsnorm_residual")
@@ -106,7 +110,7 @@ def test_early_loads_stay_ahead_of_the_wait(checkpoints, tmp_path):
         pytest.skip(str(e))
     per_thread = -(-hidden // 256)
     for kernel, want in (("gemv_gated_nvfp4_norm_nb1", 17 + per_thread), ("rmsnorm_residual", per_thread),
-                         ("sample_tokens", 7)):
+                         ("sample_tokens", 7), ("qkv_rope_cache_f16", 2 + 5 * rope_pairs)):
         before, after = sass_loop.wait_split(sass_loop.instructions(
             listing if kernel == "rmsnorm_residual" else sass_loop.sass(cubin, kernel)))
         assert sum(map(sass_loop.strong, before)) == want, (kernel, before)
