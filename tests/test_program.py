@@ -136,7 +136,8 @@ def test_inspect_program_counts(gpu_bundle_dir):
     # (the GPU penalties, the default, inside the sampler's launch)
     opts = program_of(gpu_bundle_dir).options
     pen = 0
-    assert opts["rope_in_attention"] == (s.head_dim <= 64 and not s.qk_norm)
+    assert opts["rope_in_attention"] == (s.head_dim <= 64 and not s.qk_norm
+                                         or s.hidden * (s.q_dim + 2 * s.kv_dim) // 2 >= 8 << 20)
     per_layer = 5 if opts["rope_in_attention"] else 6
     assert len(dec1["launches"]) == 1 + per_layer * s.n_layers + 3 + pen
     assert all(set(x) == {"kernel", "grid", "block", "smem", "reads", "writes"} for x in dec1["launches"])
@@ -393,8 +394,9 @@ def test_rope_in_attention_program():
     attn_decode_rope_* reading the qkv rows, the layer's bias / norm weights / inverse frequencies, positions and
     KV slots, and writing the layer's K and V pools, with the group's q (4 heads x 128 x 2 bytes) on top of the
     plain kernel's shared memory, and launched under programmatic dependent launch like the plain one (it copies the
-    cached keys before its grid-dependency wait). Prefill phases keep qkv_rope_cache_f16 (their decode rows too). Off
-    by default for this shape (head dim 128, q/k norm): the plain kernels, and the rope kernels left out of the cubin."""
+    cached keys before its grid-dependency wait). Prefill phases keep qkv_rope_cache_f16 (their decode rows too). The
+    default for this shape (its qkv streams 12.6 MB: rope_in_attention_default); --no-rope-in-attention: the plain
+    kernels, and the rope kernels left out of the cubin."""
     from impc.launches import ProgramOptions, attn_decode_geometry, build_program, kernels_not_launched
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -405,8 +407,9 @@ def test_rope_in_attention_program():
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
     ad = attn_decode_geometry(spec, t)
     on = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=True), None)
-    off = build_program(spec, formats, t, plan, ProgramOptions(), None)
+    off = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=False), None)
     assert on.options["rope_in_attention"] and not off.options["rope_in_attention"]
+    assert build_program(spec, formats, t, plan, ProgramOptions(), None).options["rope_in_attention"]
     for prog, fused in ((on, True), (off, False)):
         for ph in prog.phases:
             kernels = [x.kernel for x in ph.launches]
@@ -431,25 +434,30 @@ def test_rope_in_attention_program():
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
         {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())          # (--prefill-qkv-epilogue's kernel)
-    assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(spec, t, ProgramOptions())
+    assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(
+        spec, t, ProgramOptions(rope_in_attention=False))
 
 
 def test_rope_in_attention_default_by_shape():
     """--rope-in-attention left to the shape: on for head dims up to 64 without q/k norm (the SmolLM2 shape measured
-    faster with it), off for the Qwen3 shapes (head dim 128 and q/k norm, measured slower), and an explicit choice
-    kept either way."""
+    faster with it) and where the qkv projection streams 8 MiB of NVFP4 codes or more (the 8B shape: 4096 x 6144 / 2,
+    faster with it), off for a small Qwen3 shape (the 0.6B: head dim 128, q/k norm, 1024 x 4096 / 2, slower), and an
+    explicit choice kept either way."""
     from dataclasses import replace as dc_replace
 
     from impc.launches import ProgramOptions, resolve_options
     from tests.test_templates_compile import SHAPES
     q8 = SHAPES["qwen3-8b"]
     small = dc_replace(q8, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False)
+    q06 = dc_replace(q8, hidden=1024, n_heads=16, n_kv_heads=8)                    # the 0.6B shape's attention
     assert resolve_options(small, ProgramOptions()).rope_in_attention is True
-    assert resolve_options(q8, ProgramOptions()).rope_in_attention is False
+    assert resolve_options(q8, ProgramOptions()).rope_in_attention is True
+    assert resolve_options(q06, ProgramOptions()).rope_in_attention is False
     assert resolve_options(dc_replace(small, qk_norm=True), ProgramOptions()).rope_in_attention is False
     assert resolve_options(dc_replace(small, head_dim=128), ProgramOptions()).rope_in_attention is False
     assert resolve_options(small, ProgramOptions(rope_in_attention=False)).rope_in_attention is False
-    assert resolve_options(q8, ProgramOptions(rope_in_attention=True)).rope_in_attention is True
+    assert resolve_options(q8, ProgramOptions(rope_in_attention=False)).rope_in_attention is False
+    assert resolve_options(q06, ProgramOptions(rope_in_attention=True)).rope_in_attention is True
 
 
 def test_norm_in_the_decode_gemm_tail_program():

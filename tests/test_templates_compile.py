@@ -145,7 +145,7 @@ def test_prefill_attention_option():
         assert prog.constants["fa_query_tile"] == qt and prog.kernel_smem[kernel] == smem
         assert prog.options["prefill_attention"] == option
         from impc.launches import kernels_not_launched
-        assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option)) == (
+        assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option, rope_in_attention=False)) == (
             {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} | (
             {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())
 
