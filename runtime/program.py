@@ -116,7 +116,7 @@ def pack_step(region: np.ndarray, pack: list[tuple[int, int]], rows: int, genera
     out, the generation (a 16-byte header), then the first `rows` rows of each array of the step region's bytes
     `region`, in `pack` order (Program.step_pack); the bytes used."""
     out[:16] = 0
-    out[:4] = np.frombuffer(np.uint32(generation & 0xFFFFFFFF).tobytes(), np.uint8)
+    out[:4].view(np.uint32)[0] = generation & 0xFFFFFFFF
     at = 16
     for off, w in pack:
         n = 4 * w * rows

@@ -73,47 +73,42 @@ def main() -> int:
         s.prefill(rng.integers(3, ex.vocab, a.context).tolist())
         s._cover(s.length + 4)
     start = seqs[0].length
-    ts, sub, col, done = [], [], [], []
-    for _ in range(a.rounds):           # (each round from the same position: the context of the graph rows above)
+
+    def executor_round(prof=None) -> tuple[float, float, float, float]:
+        """One round from the same position (the context of the graph rows above): us a step, in decode_submit, in
+        decode_collect with its wait, and the share of steps whose predecessor had already finished at collect (the
+        GPU waited for the host). prof: a cProfile.Profile enabled around the steps."""
         pos = start
         ex.decode([StepRow(s.sid, 5, pos) for s in seqs])
         pos += 1
+        last, t_sub, t_col, n_done = None, 0.0, 0.0, 0
+        if prof is not None:
+            prof.enable()
         t = time.perf_counter()
-        last = None
-        t_sub = t_col = 0.0
-        n_done = 0
-        for i in range(a.steps):
+        for _ in range(a.steps):
             t0 = time.perf_counter()
             # every step at the same position (its KV row rewritten): the context of the graph rows above, not one
             # that grows over the round (at 100 + 200 steps a SmolLM2-shape sequence crosses into two splits)
             h = ex.decode_submit([StepRow(s.sid, None, pos) for s in seqs])
             t1 = time.perf_counter()
             if last is not None:
-                # the step before already finished when the host comes to collect it: the GPU waited for the host
                 n_done += cu.cuEventQuery(ex._out_done[last.number % 2])[0] == cu.CUresult.CUDA_SUCCESS
                 ex.decode_collect(last)
             t_sub, t_col = t_sub + t1 - t0, t_col + time.perf_counter() - t1
             last = h
         ex.decode_collect(last)
-        ts.append((time.perf_counter() - t) * 1e6 / a.steps)
-        sub.append(t_sub * 1e6 / a.steps)
-        col.append(t_col * 1e6 / a.steps)
-        done.append(n_done / (a.steps - 1))
+        total = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+        return total * 1e6 / a.steps, t_sub * 1e6 / a.steps, t_col * 1e6 / a.steps, n_done / (a.steps - 1)
+
+    ts, sub, col, done = zip(*(executor_round() for _ in range(a.rounds)))
     rows["executor submit / collect"] = statistics.median(ts)
     if a.profile:                       # one more round under cProfile: where the host's time a step goes
         import cProfile
         import pstats
-        pos = start
-        ex.decode([StepRow(s.sid, 5, pos) for s in seqs])
-        prof, last = cProfile.Profile(), None
-        prof.enable()
-        for i in range(a.steps):
-            h = ex.decode_submit([StepRow(s.sid, None, pos + 1) for s in seqs])
-            if last is not None:
-                ex.decode_collect(last)
-            last = h
-        ex.decode_collect(last)
-        prof.disable()
+        prof = cProfile.Profile()
+        executor_round(prof)
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     host = (f"  (host: decode_submit {statistics.median(sub):.1f} us a step, decode_collect {statistics.median(col):.1f} "
             f"us incl. its wait; the step before already done at collect in {100 * statistics.median(done):.0f}% of "
