@@ -77,8 +77,9 @@ def _add_compile(sub) -> None:
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: the attention kernel computes q/k norm and RoPE and appends the new key and value "
                         "itself, one launch a layer fewer (default: by the model's shape, on for head dims up to 64 "
-                        "without q/k norm and where the qkv projection streams 8 MiB or more, where the launch it "
-                        "saves costs more than the work it moves; measured in BENCHMARKS.md)")
+                        "without q/k norm, where the launch it saves costs more than the work it moves at every "
+                        "context measured; a Qwen3-8B shape gains ~1%% at short contexts with it and loses up to "
+                        "5.6%% at 2,048; BENCHMARKS.md)")
     p.add_argument("--norm-tail", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode: the RMSNorm after the o and down projections in the tail of their GEMM past "
                         "the GEMV's rows (a block a row once all have finished; default on); --no-norm-tail keeps it a "

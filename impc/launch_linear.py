@@ -457,7 +457,7 @@ class LinearLaunches:
         if nb == 1 and not ring3:
             # one row on the persistent grid: each warp's K range of the activation staged in shared memory behind
             # the ring (gemv_ringx_*), four stages deep or, where that leaves no room, three (gemv_ringx3_*)
-            xs = GV_WARPS * 2 * (lin.k // (GV_WARPS // 2 if gated else GV_WARPS) * 2 + 32)
+            xs = GV_WARPS * (lin.k // (GV_WARPS // 2 if gated else GV_WARPS) * 2 + 32)   # the hi plane (fp16)
             # the SM's shared memory (targets/: smem_per_sm_bytes) over the ring's blocks, 1 KB of it reserved a block
             per_block = self.target["smem_per_sm_bytes"] // GR_BLOCKS - 1024 - GR_STATIC_SMEM
             for ring, stages_smem in (("ringx", GR_SMEM), ("ringx3", GR3_SMEM)):

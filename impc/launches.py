@@ -79,23 +79,19 @@ def prefill_attention_wgmma(spec: ModelSpec, target: dict, options: ProgramOptio
     return fa_wg_geometry(spec.head_dim, target) if options.prefill_attention == "wgmma" else None
 
 
-# --rope-in-attention's default: on for head dims up to ROPE_IN_ATTENTION_MAX_HEAD_DIM without q/k norm, and for
-# any head where the qkv projection streams at least ROPE_IN_ATTENTION_MIN_QKV_BYTES of NVFP4 weights. Every block of
+# --rope-in-attention's default: on for head dims up to ROPE_IN_ATTENTION_MAX_HEAD_DIM without q/k norm. Every block of
 # a (sequence, kv head) repeats its group's q rope (and q norm) after its wait, while the launch it saves is ~1.5-2.6
-# us whatever the shape; what that repeated work costs depends on whether the attention's blocks are in before the
-# qkv GEMV ends (work before and just after the wait is free then). Measured on the H200: the SmolLM2 shape (head dim
-# 64, no q/k norm) b1 +3.5%, b8 +2.2% (twenty-third session); with both rows' loads at once after the wait
-# (thirtieth session): the 8B shape (12.6 MB of qkv weights, its streamed GEMV ~7 us) b1 +1.3%, b8 +0.8%, b64 +1.2%,
-# the 0.6B shape (2.1 MB, a per-block GEMV of ~2 us) b1 -9.5%, b8 -3.7%, b64 -0.4%.
+# us whatever the shape; the repeated work grows with the attention's splits (the context) and rows. Measured on the
+# H200: the SmolLM2 shape (head dim 64, no q/k norm) b1 +3.5%, b8 +2.2% (twenty-third session). The 8B shape (head dim
+# 128, q/k norm) gains at short contexts and loses at long ones (thirtieth and thirty-first sessions: context 16 b1
+# +1.3%, b8 +0.8%, b64 +1.2%; context 512 b1 +1.1%, b16 -1.5%, b32 +0.9%; context 2048 b1 -0.8%, b8 -5.6%), the
+# 0.6B shape loses (b1 -9.5%, b8 -3.7%): off for them, --rope-in-attention chooses it.
 ROPE_IN_ATTENTION_MAX_HEAD_DIM = 64
-ROPE_IN_ATTENTION_MIN_QKV_BYTES = 8 << 20
 
 
 def rope_in_attention_default(spec: ModelSpec) -> bool:
     """--rope-in-attention's choice by the shape (above)."""
-    qkv_bytes = spec.hidden * (spec.q_dim + 2 * spec.kv_dim) // 2          # its NVFP4 codes
-    return (spec.head_dim <= ROPE_IN_ATTENTION_MAX_HEAD_DIM and not spec.qk_norm) \
-        or qkv_bytes >= ROPE_IN_ATTENTION_MIN_QKV_BYTES
+    return spec.head_dim <= ROPE_IN_ATTENTION_MAX_HEAD_DIM and not spec.qk_norm
 
 
 def resolve_options(spec: ModelSpec, options: ProgramOptions) -> ProgramOptions:

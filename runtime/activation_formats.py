@@ -3,11 +3,12 @@
   XF_BF16   (0): [rows, K] bf16, the prefill GEMM's input over bf16 weights.
   XF_F16X2  (1): [2*rows, K] fp16 planes for a decode GEMV over NVFP4 weights: row 2b = hi = fp16(x * 2^-6),
                  row 2b+1 = lo = fp16(x * 2^-6 - hi), k permuted within each 8 to the GEMV's fragment order.
+                 The per-block GEMVs read hi + lo; the streamed ones (gemv_ring_*) read hi alone (`ring_read`).
   XF_BF16X2 (2): [2*rows, K] bf16 planes for a decode GEMV over bf16 weights: hi = bf16(x), lo = bf16(x - hi).
   XF_F16    (3): [rows, K] fp16(x * 2^-6), the prefill GEMM's input over NVFP4 weights.
   XF_F16W   (4): XF_F16 with k permuted within each 256 (wq_pos): the NVFP4 decode GEMM's input on Hopper.
 The 2^-6 pre-scale keeps the products of two projections inside fp16's range; kernels undo it exactly.
-`to_planes` / `from_planes` are the host's view of the plane formats (kernel tests)."""
+`to_planes` / `from_planes` / `ring_read` are the host's view of the plane formats (kernel tests)."""
 from __future__ import annotations
 
 import numpy as np
@@ -96,6 +97,13 @@ def from_planes(raw: np.ndarray, fmt: int) -> np.ndarray:
         v = (raw.astype(np.uint32) << 16).view(np.float32)
         return v[0::2] + v[1::2]
     raise ValueError(f"x-plane format {fmt}")
+
+
+def ring_read(a: np.ndarray) -> np.ndarray:
+    """The float32 [M, K] a streamed GEMV (templates/gemv_ring.cu.j2) multiplies when a [M, K] is written as XF_F16X2
+    planes: the hi plane alone, fp16(x * 2^-6) / 2^-6 (saturated as the writers saturate)."""
+    s = np.clip(np.asarray(a, np.float32) * np.float32(XF_F16_SCALE), -65504, 65504).astype(np.float32)
+    return s.astype(np.float16).astype(np.float32) / np.float32(XF_F16_SCALE)
 
 
 def read_activation(raw: np.ndarray, rows: int, k: int, fmt: int) -> np.ndarray:

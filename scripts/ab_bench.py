@@ -5,7 +5,9 @@ falls on both; per measurement, the median of the rounds for each bundle and the
 between rounds is printed with it: a change smaller than that is noise.
 
 Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [--rounds 3] [--batches 1,2,4] [--pp 128] [--runs 3]
-       [--path-a DIR] [--path-b DIR]
+       [--prompt N] [--path-a DIR] [--path-b DIR]
+
+--prompt N: the decode runs after an N-token prompt (the bench's own default, 16, otherwise): decode at a context.
 
 --path-a / --path-b put a directory first on that side's PYTHONPATH: an A/B of two runtimes (a directory holding
 another imp_runtime package) on one bundle, which may then be both A_BUNDLE and B_BUNDLE."""
@@ -65,6 +67,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--pp", default="128")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt length before each decode run (impc bench --prompt)")
     ap.add_argument("--path-a", default=None, help="a directory first on A's PYTHONPATH (another imp_runtime)")
     ap.add_argument("--path-b", default=None, help="the same for B")
     x = ap.parse_args()
@@ -79,7 +82,7 @@ def main() -> int:
     for r in range(x.rounds):
         for tag, bundle, extra in (("A", x.a, x.path_a), ("B", x.b, x.path_b)):
             cmd = [sys.executable, "-m", "impc.cli", "bench", bundle, "--batches", x.batches, "--pp", x.pp,
-                   "--runs", str(x.runs)]
+                   "--runs", str(x.runs)] + (["--prompt", str(x.prompt)] if x.prompt else [])
             p = subprocess.run(cmd, capture_output=True, text=True, env=env_for(extra))
             if p.returncode != 0:
                 print(f"error: bench of {bundle} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
@@ -88,7 +91,7 @@ def main() -> int:
             rounds[tag].append(got)
             print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
     print(f"\nA = {x.a}{f' (PYTHONPATH first: {x.path_a})' if x.path_a else ''}\n"
-          f"B = {x.b}{f' (PYTHONPATH first: {x.path_b})' if x.path_b else ''}\n{x.rounds} alternating rounds, medians (tok/s; bandwidths TB/s):")
+          f"B = {x.b}{f' (PYTHONPATH first: {x.path_b})' if x.path_b else ''}\n{x.rounds} alternating rounds{f', decode after a {x.prompt}-token prompt' if x.prompt else ''}, medians (tok/s; bandwidths TB/s):")
     print(f"  {'measurement':18s} {'A':>10s} {'B':>10s} {'B vs A':>8s} {'A spread':>9s} {'B spread':>9s}")
     for n, ma, mb, d, sa, sb in summarize(rounds):
         digits = 2 if n.endswith("TB/s") else 1

@@ -16,6 +16,8 @@ Marked kernels (TIMER_GEMV, TIMER_ATTN, TIMER_NORM, TIMER_ROPE in templates/prel
                     3 the block's sums reduced, 4 exit
   rmsnorm_residual  0 entry, 1 past pdl_wait, 2 thread 0's loads summed, 3 the block's sum reduced, 4 exit
   qkv_rope_cache_f16 0 entry, 1 past pdl_wait, 4 exit
+--blocks N prints the N blocks that exited last and the N that exited first, each block's phases (medians over the
+replays) and, for gemv_ring, its stages: whether a launch's tail is blocks that started late or blocks that ran slow.
 --with KIND prints the last launch of another marked kind before the timed one on the same time axis (e.g. the
 attention before an o projection: the time from its last block's end to the GEMV's pdl_wait is the boundary).
 
@@ -96,6 +98,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--with", dest="other", choices=sorted(FAMILIES),
                     help="also the last launch of this kind before the timed one, on the same time axis")
+    ap.add_argument("--blocks", type=int, default=0, help="print the N latest and N earliest blocks to exit")
     a = ap.parse_args()
 
     import numpy as np
@@ -128,7 +131,7 @@ def main() -> int:
     _, cptr, _ = cu.cuModuleGetGlobal(ex.module.module, b"imp_counters")
     host = np.zeros((TIMER_FAMILIES, TIMER_BLOCKS, TIMER_PHASES), np.uint64)
     counts = np.zeros_like(host)
-    tables, shares, others = [], [], []
+    tables, shares, others, per_block = [], [], [], []
     if a.other:
         ofam, onames, oorder = FAMILIES[a.other]
         ohits = [i for i in hits_of(full, a.other) if i < index]
@@ -149,6 +152,8 @@ def main() -> int:
                 t0 = host[family][:nblocks, 0].astype("int64")
                 others.append(phase_table(host[ofam], oblocks, onames, start=t0[t0 > 0].min()))
             shares.append(wait_share(counts[family], nblocks))
+            t = host[family][:nblocks].astype("int64")
+            per_block.append((t - t[:, 0][t[:, 0] > 0].min()) / 1e3)
     bp.release()
     print(f"{ex.bundle.name}: decode {b} at context {a.context}, launch {index} {x.kernel} grid {tuple(grid)} "
           f"({nblocks} blocks timed); us after the first block's entry, medians of {a.reps} replays")
@@ -163,8 +168,28 @@ def main() -> int:
         med = lambda k: statistics.median(x[k] for x in shares)    # noqa: E731
         print(f"  thread 0 of a block waited for its stages {100 * med(0):.0f}% of its loop (blocks "
               f"{100 * med(1):.0f}-{100 * med(2):.0f}%); {med(3):.0f} cycles a stage")
+    if a.blocks:
+        print_blocks(np.median(np.stack(per_block), axis=0), counts[family][:nblocks, 2], names, order, a.blocks)
     ex.close()
     return 0
+
+
+def print_blocks(us, stages, names, order, n: int) -> None:
+    """The n blocks that exited last and the n that exited first (phases: medians over the replays, us after the
+    launch's first entry); for gemv_ring also each block's stages (thread 0's count, the last replay)."""
+    import numpy as np
+
+    last = order[-1]
+    rank = np.argsort(us[:, last])
+    cols = [p for p in order if names[p]]
+    print(f"  block  {'stages':>6s} " + " ".join(f"{names[p][:12]:>12s}" for p in cols))
+    for title, idx in (("exited last", rank[::-1][:n]), ("exited first", rank[:n])):
+        print(f"  {title}:")
+        for i in idx:
+            print(f"  {i:5d}  {int(stages[i]):6d} " + " ".join(f"{us[i, p]:12.2f}" for p in cols))
+    if len(us) > 2:
+        c = np.corrcoef(us[:, 1], us[:, last])[0, 1]
+        print(f"  correlation of a block's pdl_wait with its exit over {len(us)} blocks: {c:+.2f}")
 
 
 if __name__ == "__main__":

@@ -103,9 +103,16 @@ def activation(ex, name: str, rows: int, k: int, fmt: int) -> np.ndarray:
     return read_activation(get(ex, name, np.uint16, n), rows, k, fmt)
 
 
+XF_F16X2_HI = -1     # (tests) XF_F16X2 planes written, the hi plane alone read: a streamed GEMV's input (ring_read)
+
+
 def put_activation(ex, name: str, a: np.ndarray, fmt: int) -> np.ndarray:
-    """Write float32 a [rows, k] into an activation buffer in format fmt; the float32 it then holds."""
-    from imp_runtime.activation_formats import XF_BF16, XF_F16, XF_F16_SCALE, XF_F16W, to_planes, write_activation
+    """Write float32 a [rows, k] into an activation buffer in format fmt; the float32 its reader multiplies."""
+    from imp_runtime.activation_formats import (XF_BF16, XF_F16, XF_F16_SCALE, XF_F16W, XF_F16X2, ring_read, to_planes,
+                                                write_activation)
+    if fmt == XF_F16X2_HI:
+        put(ex, name, to_planes(a, XF_F16X2))
+        return ring_read(a)
     if fmt in (XF_F16, XF_F16W):
         put(ex, name, write_activation(a, fmt))
         return (a * np.float32(XF_F16_SCALE)).astype(np.float16).astype(np.float32) / np.float32(XF_F16_SCALE)
@@ -171,7 +178,7 @@ def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: d
     a_name, out = buf(x, 0), buf(x, 1 + nw)
     if x.kernel.startswith("gemv"):
         n, k, mode = scalar(x, 2 + nw), scalar(x, 3 + nw), scalar(x, 5 + nw)
-        afmt, tol = xfmt(fmt), TOL_F32
+        afmt, tol = (XF_F16X2_HI if x.kernel.startswith("gemv_ring") else xfmt(fmt)), TOL_F32
     else:
         n, k, mode = scalar(x, 3 + nw), scalar(x, 4 + nw), scalar(x, 5 + nw)
         afmt, tol = gfmt(fmt), TOL
@@ -424,7 +431,7 @@ def test_decode_gemv_gated(ex, b):
     rng = np.random.default_rng(50 + b)
     wref = random_weights(ex, x, list(range(1, 1 + nw)), n, k, rng)
     a = (rng.standard_normal((bucket, k)) * 0.3).astype(np.float32)
-    put_activation(ex, buf(x, 0), a, xfmt(fmt))
+    a = put_activation(ex, buf(x, 0), a, XF_F16X2_HI if x.kernel.startswith("gemv_ring") else xfmt(fmt))
     sc = ring_norm_scale(ex, x, bucket, k, rng)
     poison(ex, buf(x, 1 + nw))
     run(ex, "decode", bucket, i)
@@ -457,11 +464,11 @@ def ex8b():
 @pytest.mark.parametrize("b", [1, 2, 4])
 def test_decode_gemv_8b_shape(ex8b, b):
     """The 8B shape's streamed decode GEMVs at 1, 2 and 4 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
-    an SM), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o on gemv_ringx_*, down on
-    gemv_ringx3_* and gate_up on gemv_ringx_gated_* (the activation staged in shared memory); against float64
-    products."""
+    an SM), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
+    on gemv_ringx_gated_* (the activation's hi plane staged in shared memory); against float64 products of the hi
+    plane they read (ring_read)."""
     kernels = {x.kernel for x in ex8b.program.phase("decode", b).launches}
-    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1"}
+    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1"}
               if b == 1 else {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"})
     assert expect <= kernels
     test_decode_gemv(ex8b, b)
@@ -475,8 +482,8 @@ def test_decode_gemv_norm_partials(ex8b, b):
     they stored and the norm weight) and each 16-row tile's sum of squares of that x; gate_up and the next layer's
     qkv, reading those planes, scale their rows by 1 / sqrt(sum of the partials / K + eps): against float64
     rms_norm(x, w) @ W^T (act(gate) * up for gate_up). No norm launch between them."""
-    from imp_runtime.activation_formats import XF_F16X2, to_planes, xfmt
-    from imp_runtime.executor_cpu import gated_act, rms_norm
+    from imp_runtime.activation_formats import XF_F16X2, ring_read, to_planes, xfmt
+    from imp_runtime.executor_cpu import gated_act
     ex, s = ex8b, ex8b.spec
     launches = ex.program.phase("decode", b).launches
     ring = [(i, x) for i, x in enumerate(launches)
@@ -492,7 +499,7 @@ def test_decode_gemv_norm_partials(ex8b, b):
         a_name, out, n, k = buf(x, 0), buf(x, 4), scalar(x, 5), scalar(x, 6)
         assert n == h and scalar(x, 8) == 1
         wref = random_weights(ex, x, [1, 2, 3], n, k, rng)
-        a = put_activation(ex, a_name, (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2)
+        a = put_activation(ex, a_name, (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2_HI)
         base = (rng.standard_normal((b, n)) * 3).astype(np.float32)
         w = rng.uniform(0.5, 1.5, h).astype(np.float32)
         put(ex, out, base)
@@ -513,7 +520,10 @@ def test_decode_gemv_norm_partials(ex8b, b):
         wr = random_weights(ex, xr, [1, 2, 3], nr, kr, rng)
         poison(ex, buf(xr, 4))
         run(ex, "decode", b, ir)
-        prod = rms_norm(xs.astype(np.float64), w.astype(np.float64), s.norm_eps) @ wr.T.astype(np.float64)
+        # (the reader multiplies the hi plane of x * w, scaled by the row's rms from the float32 partials)
+        xd = xs.astype(np.float64)
+        inv = 1.0 / np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + s.norm_eps)
+        prod = (ring_read(xs * w).astype(np.float64) * inv) @ wr.T.astype(np.float64)
         if gated:
             ofmt = scalar(xr, 8)
             got, ref = activation(ex, buf(xr, 4), b, nr // 2, ofmt), gated_act(prod, s.activation)

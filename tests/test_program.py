@@ -338,7 +338,7 @@ def test_streamed_gemv_where_whole_stages():
     4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
     8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes; an ungated GEMV of
     more tiles than two blocks an SM but no more than three (qkv: 384 tiles, 132 SMs) takes gemv_ring3_*, a block a
-    tile, three stages: 55,296 bytes. At one row the others stage the activation in shared memory (gemv_ringx_*)."""
+    tile, three stages: 55,296 bytes. At one row the others stage the activation's hi plane in shared memory (gemv_ringx_*)."""
     from impc.launches import ProgramOptions, build_program
     from impc.plan import plan_memory
     from impc.targets import load_target
@@ -357,19 +357,20 @@ def test_streamed_gemv_where_whole_stages():
             # qkv 6144 rows = 384 tiles, o 256, gate_up 12288 outputs = 768, down 256; 132 SMs
             assert [x.grid[0] for x in layer0] == [384, 256, 264, 256]
             if b == 1:
-                # one row: o, gate_up and down with each warp's K range of the two activation planes staged behind
-                # the ring, 8 warps x 2 planes x (2 bytes x K range + 32 bytes of padding): o 8 x 2 x 1056, gate_up
-                # (K range 4096 / 4) 8 x 2 x 2080, down (12288 / 8) 8 x 2 x 3104 beside a three-stage ring
+                # one row: o, gate_up and down with each warp's K range of the activation's hi plane staged behind
+                # the ring, 8 warps x (2 bytes x K range + 32 bytes of padding): o 8 x 1056, gate_up (K range
+                # 4096 / 4) 8 x 2080, down (12288 / 8) 8 x 3104, all three beside a four-stage ring (with both
+                # planes, down's 49,664 bytes left room for three stages only: two blocks an SM of 227 KB)
                 assert [x.kernel for x in layer0] == ["gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1",
-                                                      "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1"]
-                assert [x.smem for x in layer0] == [55296, 73728 + 16896, 73728 + 33280, 55296 + 49664]
+                                                      "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx_nvfp4_nb1"]
+                assert [x.smem for x in layer0] == [55296, 73728 + 8448, 73728 + 16640, 73728 + 24832]
                 continue
             assert [x.kernel for x in layer0] == [f"gemv_ring3_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
                                                   f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
             assert [x.smem for x in layer0] == [55296, 73728, 73728, 73728]
         if streamed:
             assert prog.kernel_smem["gemv_ring_nvfp4_nb2"] == 73728
-            assert prog.kernel_smem["gemv_ringx_gated_nvfp4_nb1"] == 73728 + 33280
+            assert prog.kernel_smem["gemv_ringx_gated_nvfp4_nb1"] == 73728 + 16640
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
     from imp_runtime.spec import ModelSpec
     small = ModelSpec(family="llama", vocab_size=49152, hidden=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -394,8 +395,8 @@ def test_rope_in_attention_program():
     attn_decode_rope_* reading the qkv rows, the layer's bias / norm weights / inverse frequencies, positions and
     KV slots, and writing the layer's K and V pools, with the group's q (4 heads x 128 x 2 bytes) on top of the
     plain kernel's shared memory, and launched under programmatic dependent launch like the plain one (it copies the
-    cached keys before its grid-dependency wait). Prefill phases keep qkv_rope_cache_f16 (their decode rows too). The
-    default for this shape (its qkv streams 12.6 MB: rope_in_attention_default); --no-rope-in-attention: the plain
+    cached keys before its grid-dependency wait). Prefill phases keep qkv_rope_cache_f16 (their decode rows too). Not
+    the default for this shape (head dim 128 with q/k norm: rope_in_attention_default); without it the plain
     kernels, and the rope kernels left out of the cubin."""
     from impc.launches import ProgramOptions, attn_decode_geometry, build_program, kernels_not_launched
     from impc.plan import plan_memory
@@ -409,7 +410,7 @@ def test_rope_in_attention_program():
     on = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=True), None)
     off = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=False), None)
     assert on.options["rope_in_attention"] and not off.options["rope_in_attention"]
-    assert build_program(spec, formats, t, plan, ProgramOptions(), None).options["rope_in_attention"]
+    assert not build_program(spec, formats, t, plan, ProgramOptions(), None).options["rope_in_attention"]
     for prog, fused in ((on, True), (off, False)):
         for ph in prog.phases:
             kernels = [x.kernel for x in ph.launches]
@@ -440,9 +441,8 @@ def test_rope_in_attention_program():
 
 def test_rope_in_attention_default_by_shape():
     """--rope-in-attention left to the shape: on for head dims up to 64 without q/k norm (the SmolLM2 shape measured
-    faster with it) and where the qkv projection streams 8 MiB of NVFP4 codes or more (the 8B shape: 4096 x 6144 / 2,
-    faster with it), off for a small Qwen3 shape (the 0.6B: head dim 128, q/k norm, 1024 x 4096 / 2, slower), and an
-    explicit choice kept either way."""
+    faster with it), off for the Qwen3 shapes (head dim 128, q/k norm: the 0.6B slower with it, the 8B slower at
+    long contexts), and an explicit choice kept either way."""
     from dataclasses import replace as dc_replace
 
     from impc.launches import ProgramOptions, resolve_options
@@ -451,7 +451,8 @@ def test_rope_in_attention_default_by_shape():
     small = dc_replace(q8, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, qk_norm=False)
     q06 = dc_replace(q8, hidden=1024, n_heads=16, n_kv_heads=8)                    # the 0.6B shape's attention
     assert resolve_options(small, ProgramOptions()).rope_in_attention is True
-    assert resolve_options(q8, ProgramOptions()).rope_in_attention is True
+    assert resolve_options(q8, ProgramOptions()).rope_in_attention is False
+    assert resolve_options(q8, ProgramOptions(rope_in_attention=True)).rope_in_attention is True
     assert resolve_options(q06, ProgramOptions()).rope_in_attention is False
     assert resolve_options(dc_replace(small, qk_norm=True), ProgramOptions()).rope_in_attention is False
     assert resolve_options(dc_replace(small, head_dim=128), ProgramOptions()).rope_in_attention is False
