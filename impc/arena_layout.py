@@ -196,8 +196,8 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # and its norming blocks that saw them done
     out.append(("norm_count", "scratch", "i32", (2,), 8, None))
     # the norm as partial sums between two decode ring GEMVs (templates/gemv_ring.cu.j2 gemv_ring_body): each 16-row tile's
-    # sum of squares of the new x, a row of them for each of up to 4 batch rows (GR_NB)
-    n = 4 * (spec.hidden // 16)
+    # sum of squares of the new x, a row of them for each of up to 8 batch rows (GR_NB)
+    n = 8 * (spec.hidden // 16)
     out.append(("norm_part", "scratch", "f32", (n,), n * 4, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):

@@ -38,8 +38,8 @@ GR_SMEM = GR_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
 # block ended ~3 us after its median one)
 GR3_STAGES, GR3_BLOCKS = 3, 3
 GR3_SMEM = GR3_STAGES * GV_WARPS * GR_UR * (2 * 32 * 16 + 8 * 2 * 8)
-GR_NB = (1, 2, 4)
-GR_STATIC_SMEM = 6144                          # gemv_ring*'s static shared memory (5 KB: the tiles' partial sums), rounded up
+GR_NB = (1, 2, 4, 8)
+GR_STATIC_SMEM = 10240                         # gemv_ring*'s static shared memory (9 KB at 8 rows: the tiles' partial sums), rounded up
 GEMM_TILE_N, GEMM_TILE_M, GEMM_TILE_K = 128, 64, 64     # templates/gemm.cu.j2
 WG_TILE_M, WG_TILE_K = 128, 64                          # templates/gemm_wgmma.cu.j2 (tiles 128 x BN x 64; rendered
 WG_STAGES = {64: 8, 128: 6, 256: 4}                     # from these), its ring depth per BN: ~192 KB of shared memory
@@ -185,8 +185,9 @@ class LinearLaunches:
     def default_gemv_rows(self) -> int:
         """Decode batches up to this many rows on the GEMV, by measurement on the H200 (BENCHMARKS.md):
         - where Hopper's NVFP4 decode GEMM takes every layer linear (K a multiple of 256): 4 rows for hidden sizes
-          of 4096 and up (8B, batch 8: 1800 tok/s on the GEMM against 1652 on the GEMV), else 8 (Qwen3-0.6B shape:
-          batch 8 6319 on the GEMV against 5934, batch 16 10871 on the GEMM against 10225);
+          of 4096 and up (8B, batch 8: 1800 tok/s on the GEMM against 1652 on the GEMV; thirty-first session, the
+          streamed GEMV at 8 rows: 3,024 against the GEMM's 3,107, and 2,272 against 2,335 at 6), else 8 (Qwen3-0.6B
+          shape: batch 8 6319 on the GEMV against 5934, batch 16 10871 on the GEMM against 10225);
         - else, against the wgmma GEMM over the fp16 copies: 8 rows for hidden 4096 and up (2370 against 2252 tok/s
           at 16 rows), 16 below (0.6B 10.5k against 6.4k, SmolLM2 16.2k against 8.6k)."""
         big = self.spec.hidden >= 4096
@@ -433,10 +434,19 @@ class LinearLaunches:
     def ring_ok(self, lin: _Lin, nb: int, gated: bool = False) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the
         stages need no guards and their scale bytes are 8-byte aligned; output rows whole 16-row tiles, so the
-        copies need no clamp; up to GR_NB rows). gated: the gate_up GEMV (gemv_ring_gated_*: its 8 warps split
-        between the gate and the up rows, so each K range is a quarter, and its outputs are half the rows)."""
+        copies need no clamp; up to GR_NB rows, and only where every GEMV batch of the program is: the streamed GEMV
+        multiplies the activation's hi plane alone, the per-block one both planes, so a program mixing them would
+        round one sequence's logits differently by its batch; so not where one row's norm is fused into a per-block
+        GEMV's prologue, norm_fused: the Qwen3-0.6B shape's gate_up). gated: the gate_up GEMV (gemv_ring_gated_*: its 8
+        warps split between the gate and the up rows, so each K range is a quarter, and its outputs are half the
+        rows)."""
+        return (nb in GR_NB and self.gemv_rows <= max(GR_NB) and self.ring_shape_ok(lin, gated)
+                and not (lin.name.endswith((".qkv", ".gate_up")) and self.norm_fused(lin, True, 1)))
+
+    def ring_shape_ok(self, lin: _Lin, gated: bool = False) -> bool:
+        """ring_ok's conditions on the target and lin's shape alone."""
         warps = GV_WARPS // 2 if gated else GV_WARPS            # the warps splitting K (templates/gemv.cu.j2 KW)
-        return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4" and nb in GR_NB
+        return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4"
                 and lin.k % (32 * warps * 4 * GR_UR) == 0      # every warp's K range whole stages
                 and (lin.n // 2 if gated else lin.n) % 16 == 0)
 
@@ -453,7 +463,7 @@ class LinearLaunches:
         gated = kern.startswith("gemv_gated_")
         if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
-        ring3 = not gated and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
+        ring3 = not gated and nb <= 4 and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
         if nb == 1 and not ring3:
             # one row on the persistent grid: each warp's K range of the activation staged in shared memory behind
             # the ring (gemv_ringx_*), four stages deep or, where that leaves no room, three (gemv_ringx3_*)

@@ -46,7 +46,7 @@ class ProgramOptions:
     norm_tail: bool = True            # Hopper decode on gemm_wq: the RMSNorm after o and down in their launch's tail
                                       # (launch_linear.py wq_norm_tail_ok), a block a row: a GPU needs more SMs than
                                       # rows
-    norm_partials: bool = True        # Hopper decode on the streamed GEMV (1-4 rows): the same norm as partial sums in
+    norm_partials: bool = True        # Hopper decode on the streamed GEMV (1-8 rows): the same norm as partial sums in
                                       # the GEMVs' epilogues (launch_linear.py ring_norm_ok)
     prefill_qkv_epilogue: bool = False  # Hopper large prefill phases: q / k norm, RoPE and the KV append in the qkv
                                         # GEMM's epilogue (launch_linear.py qkv_epilogue_ok; measured no faster)

@@ -461,21 +461,22 @@ def ex8b():
     e.close()
 
 
-@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("b", [1, 2, 4, 8])
 def test_decode_gemv_8b_shape(ex8b, b):
-    """The 8B shape's streamed decode GEMVs at 1, 2 and 4 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
-    an SM), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
+    """The 8B shape's streamed decode GEMVs at 1, 2, 4 and 8 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
+    an SM; at 8 rows gemv_ring_*, two n8 groups), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
     on gemv_ringx_gated_* (the activation's hi plane staged in shared memory); against float64 products of the hi
     plane they read (ring_read)."""
     kernels = {x.kernel for x in ex8b.program.phase("decode", b).launches}
-    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1"}
-              if b == 1 else {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"})
+    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1"} if b == 1 else
+              {"gemv_ring_nvfp4_nb8", "gemv_ring_gated_nvfp4_nb8"} if b == 8 else
+              {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"})
     assert expect <= kernels
     test_decode_gemv(ex8b, b)
     test_decode_gemv_gated(ex8b, b)
 
 
-@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("b", [1, 2, 4, 8])
 def test_decode_gemv_norm_partials(ex8b, b):
     """The RMSNorm between two streamed decode GEMVs as partial sums (templates/gemv_ring.cu.j2 gemv_ring_body): o and
     down, adding into x, also write the planes of x * w bit for bit as every XF_F16X2 writer rounds them (from the x

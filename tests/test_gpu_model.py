@@ -356,7 +356,7 @@ def test_decode_is_batch_invariant(name, context):
     activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
     run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64 (qwen3-wide-i8: with an INT8
     head, on its GEMM at every batch under --gemv-max-rows 0); the 8B shape's layers, whose
-    GEMVs at 1, 2 and 4 rows are the streamed ones (qkv on gemv_ring3_*); qwen3-rope, whose decode attention appends
+    GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*; the test bundle runs 8 rows on them too); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor import StepRow

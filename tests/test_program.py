@@ -333,7 +333,7 @@ def test_symbol_ranges_gate_a_value_and_the_version_says_so():
 
 
 def test_streamed_gemv_where_whole_stages():
-    """Hopper's decode GEMVs of up to 4 rows take the streamed kernel (templates/gemv_ring.cu.j2 gemv_ring_*) where every
+    """Hopper's decode GEMVs of up to 8 rows take the streamed kernel (templates/gemv_ring.cu.j2 gemv_ring_*) where every
     warp's K range is whole ring stages: 32 k a chunk x 4 chunks a group x 2 groups a stage, over 8 warps (gate_up:
     4), so K % 2048 (gate_up: 1024). Its persistent grid is at most two blocks an SM, its shared memory 4 stages x
     8 warps x 2 groups x (2 rows x 32 lanes x 16 bytes + 8 x 2 x 8 scale bytes) = 73,728 bytes; an ungated GEMV of
@@ -348,12 +348,24 @@ def test_streamed_gemv_where_whole_stages():
     for target, streamed in (("sm_90a", True), ("sm_120a", False)):
         t = load_target(target)
         prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), None)
-        for b in (1, 2, 4):
+        assert prog.options["gemv_max_rows"] == 4 or not streamed      # (Hopper's default for hidden 4096)
+        for b in (1, 2, 4, 8):
+            if b == 8:
+                # eight rows (--gemv-max-rows 8; the default where hidden < 4096): two n8 groups of the MMA, qkv too
+                # on the persistent grid, two blocks an SM (ring3's registers are for one group)
+                prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64),
+                                     ProgramOptions(gemv_max_rows=8), None)
             layer0 = [x for x in prog.phase("decode", b).launches if x.kernel.startswith("gemv_")][:4]
             if not streamed:
                 assert not any("ring" in x.kernel for x in layer0)
                 continue
             nb = f"nb{b}"
+            if b == 8:
+                assert [x.grid[0] for x in layer0] == [264, 256, 264, 256]
+                assert [x.kernel for x in layer0] == ["gemv_ring_nvfp4_nb8", "gemv_ring_nvfp4_nb8",
+                                                      "gemv_ring_gated_nvfp4_nb8", "gemv_ring_nvfp4_nb8"]
+                assert [x.smem for x in layer0] == [73728] * 4
+                continue
             # qkv 6144 rows = 384 tiles, o 256, gate_up 12288 outputs = 768, down 256; 132 SMs
             assert [x.grid[0] for x in layer0] == [384, 256, 264, 256]
             if b == 1:
@@ -369,7 +381,7 @@ def test_streamed_gemv_where_whole_stages():
                                                   f"gemv_ring_gated_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}"]
             assert [x.smem for x in layer0] == [55296, 73728, 73728, 73728]
         if streamed:
-            assert prog.kernel_smem["gemv_ring_nvfp4_nb2"] == 73728
+            assert prog.kernel_smem["gemv_ring_nvfp4_nb8"] == 73728
             assert prog.kernel_smem["gemv_ringx_gated_nvfp4_nb1"] == 73728 + 16640
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
     from imp_runtime.spec import ModelSpec
@@ -741,3 +753,45 @@ def test_pack_step_is_each_arrays_first_rows_in_table_order():
     assert out[:16].view(np.uint32).tolist() == [0x1234567, 0, 0, 0]
     assert packed.tolist() == want and used == 16 + 4 * len(want)
     assert (out[used:] == 0xEE).all()
+
+
+def test_each_linear_on_one_gemv_family_at_every_gemv_row_count():
+    """Batch invariance within the GEMV's rows needs each layer linear on one GEMV family at every row count: the
+    streamed GEMV (gemv_ring*) multiplies the activation's hi plane alone, the per-block one (gemv_*_nvfp4*) both
+    planes, so one sequence's logits would round differently by its batch if a linear took one family at one row and
+    the other at two (the Qwen3-0.6B shape's gate_up did: its one-row norm fused into the per-block GEMV's prologue,
+    its 2-4 rows streamed). Shapes: the 8B (4 GEMV rows by default, and 8), the 0.6B (8: its gate_up per-block, its o
+    streamed) and a 1.7B-like hidden 2048 (8 rows, every linear streamed)."""
+    from dataclasses import replace as dc_replace
+
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    t = load_target("sm_90a")
+    q8 = SHAPES["qwen3-8b"]
+    q06 = dc_replace(q8, hidden=1024, n_heads=16, n_kv_heads=8, intermediate=3072, n_layers=2)
+    q17 = dc_replace(q8, hidden=2048, n_heads=16, n_kv_heads=8, intermediate=6144, n_layers=2)
+    seen = {}
+    for spec, rows in ((q8, None), (q8, 8), (q06, None), (q17, None)):
+        f = default_formats(spec)
+        prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(gemv_max_rows=rows),
+                             None)
+        gemv = prog.options["gemv_max_rows"]
+        family: dict[str, set[str]] = {}
+        for ph in prog.phases:
+            if ph.phase != "decode" or ph.tokens > gemv:
+                continue
+            for x in ph.launches:
+                w = next((a["ptr"] for a in x.args if isinstance(a, dict) and str(a.get("ptr")).endswith(".codes")), "")
+                if x.kernel.startswith("gemv_") and w.startswith("layers."):
+                    family.setdefault(w, set()).add("streamed" if x.kernel.startswith("gemv_ring") else "per-block")
+        assert family and all(len(v) == 1 for v in family.values()), \
+            {k: v for k, v in family.items() if len(v) > 1}
+        seen[(spec.hidden, gemv)] = {k.split(".")[2]: v.pop() for k, v in family.items() if k.startswith("layers.0.")}
+    # (the families themselves: the 8B streamed throughout; where a projection of the normed residual fits one wave of
+    # per-block GEMVs its one-row norm is fused into their prologue and it stays per-block at every row count, the
+    # 0.6B's qkv and gate_up and the 1.7B-like qkv; the 0.6B's down per-block: K 3072 is not whole stages)
+    assert seen[(4096, 4)] == seen[(4096, 8)] == {n: "streamed" for n in ("qkv", "o", "gate_up", "down")}
+    assert seen[(2048, 8)] == {"qkv": "per-block", "o": "streamed", "gate_up": "streamed", "down": "streamed"}
+    assert seen[(1024, 8)] == {"qkv": "per-block", "o": "streamed", "gate_up": "per-block", "down": "per-block"}

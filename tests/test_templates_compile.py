@@ -19,7 +19,7 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
 EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256) for t in ("f16", "bf16")],
                  "gemm_wgp_f16", "gemm_wgp_bf16", "attn_decode_f16_r3", "attn_decode_rope_f16_r3",
                  *[f"gemm_wq{n}" for n in (16, 32, 64)],
-                 *[f"gemv_ring_{g}nvfp4_nb{n}" for g in ("", "gated_") for n in (1, 2, 4)],
+                 *[f"gemv_ring_{g}nvfp4_nb{n}" for g in ("", "gated_") for n in (1, 2, 4, 8)],
                  *[f"gemv_ring3_nvfp4_nb{n}" for n in (1, 2, 4)],     # the streamed GEMV
                  "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1"]   # ... its staged x
 
