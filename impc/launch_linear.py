@@ -441,7 +441,7 @@ class LinearLaunches:
         warps split between the gate and the up rows, so each K range is a quarter, and its outputs are half the
         rows)."""
         return (nb in GR_NB and self.gemv_rows <= max(GR_NB) and self.ring_shape_ok(lin, gated)
-                and not (lin.name.endswith((".qkv", ".gate_up")) and self.norm_fused(lin, True, 1)))
+                and not self.norm_fused(lin, True, 1))
 
     def ring_shape_ok(self, lin: _Lin, gated: bool = False) -> bool:
         """ring_ok's conditions on the target and lin's shape alone."""
@@ -526,7 +526,8 @@ class LinearLaunches:
         h = self.spec.hidden
         cols = lin.n // 2 if lin.name.endswith(".gate_up") else lin.n
         fmts = ("nvfp4", "bf16") if self.opt.norm_prologue_bf16 else ("nvfp4",)   # bf16: its planes XF_BF16X2
-        return (dec and nb == 1 and lin.fmt in fmts and lin.k == h and 4 * h <= 32768
+        return (dec and nb == 1 and lin.name.endswith((".qkv", ".gate_up")) and lin.fmt in fmts and lin.k == h
+                and 4 * h <= 32768
                 and -(-cols // 16) <= 2 * self.sm_count)
 
     def gemv_norm(self, e: _Emitter, norm: str, lin: _Lin, out: str, mode: int, gated: bool) -> None:
