@@ -92,6 +92,10 @@ def _add_compile(sub) -> None:
                    help="one-row decode: the RMSNorm in the prologue of the GEMVs of bf16 weights too (the byte budget's "
                         "bf16 projections), as NVFP4 ones have it, instead of a launch before them (default on; "
                         "BENCHMARKS.md: SmolLM2 shape all bf16, b1 +6.4%%); --no-norm-prologue-bf16 keeps the launch")
+    p.add_argument("--gemv-ring-unroll", action=argparse.BooleanOptionalAction, default=False,
+                   help="Hopper decode at one row: gate_up's streamed GEMV with its stage loop unrolled over the ring "
+                        "where a tile is one revolution of it (constant slots and offsets; the same bits); off by "
+                        "default: built, not yet measured on a GPU (BENCHMARKS.md, thirty-second session)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
@@ -176,7 +180,8 @@ def cmd_compile(a) -> int:
                           gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
                           prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
                           norm_tail=a.norm_tail, norm_partials=a.norm_partials,
-                          norm_prologue_bf16=a.norm_prologue_bf16, prefill_qkv_epilogue=a.prefill_qkv_epilogue)
+                          norm_prologue_bf16=a.norm_prologue_bf16, prefill_qkv_epilogue=a.prefill_qkv_epilogue,
+                          gemv_ring_unroll=a.gemv_ring_unroll)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

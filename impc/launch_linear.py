@@ -463,6 +463,10 @@ class LinearLaunches:
         gated = kern.startswith("gemv_gated_")
         if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
+        # --gemv-ring-unroll: one-row gate_up's stage loop unrolled where a tile is one revolution of the four-stage
+        # ring (templates/gemv_ring.cu.j2 REV: gemv_ringxr_gated_*; the same bits as gemv_ringx_gated_*)
+        rev = gated and self.opt.gemv_ring_unroll and lin.k // (32 * (GV_WARPS // 2) * 4 * GR_UR) == GR_STAGES
+        ringx = "ringxr" if rev else "ringx"
         ring3 = not gated and nb <= 4 and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
         if nb == 1 and not ring3:
             # one row on the persistent grid: each warp's K range of the activation staged in shared memory behind
@@ -470,9 +474,9 @@ class LinearLaunches:
             xs = GV_WARPS * (lin.k // (GV_WARPS // 2 if gated else GV_WARPS) * 2 + 32)   # the hi plane (fp16)
             # the SM's shared memory (targets/: smem_per_sm_bytes) over the ring's blocks, 1 KB of it reserved a block
             per_block = self.target["smem_per_sm_bytes"] // GR_BLOCKS - 1024 - GR_STATIC_SMEM
-            for ring, stages_smem in (("ringx", GR_SMEM), ("ringx3", GR3_SMEM)):
-                if stages_smem + xs <= per_block and not (gated and ring == "ringx3"):
-                    kern = f"gemv_{ring}_{kern[len('gemv_'):]}"
+            for rx, stages_smem in ((ringx, GR_SMEM), ("ringx3", GR3_SMEM)):
+                if stages_smem + xs <= per_block and not (gated and rx == "ringx3"):
+                    kern = f"gemv_{rx}_{kern[len('gemv_'):]}"
                     self.kernel_smem[kern] = max(self.kernel_smem.get(kern, 0), stages_smem + xs)
                     return kern, min(tiles, GR_BLOCKS * self.sm_count), stages_smem + xs
         if ring3:

@@ -417,6 +417,13 @@ def test_decode_gemm_norm_tail(ex, b, rows):
 @pytest.mark.parametrize("b", [1, 3, 8, 16])
 def test_decode_gemv_gated(ex, b):
     """gate_up GEMV with act(gate) * up fused: x planes in, x planes out (the down GEMV's input)."""
+    got, ref = gated_case(ex, b)
+    assert rel(got, ref) <= TOL_F32
+
+
+def gated_case(ex, b):
+    """test_decode_gemv_gated's launch on random weights, activation and norm partials drawn from a seed of b:
+    (its outputs, their float64 reference)."""
     from imp_runtime.activation_formats import xfmt
     from imp_runtime.executor_cpu import gated_act
     bucket = next((t for t in ex.decode_buckets if t >= b), None)
@@ -436,7 +443,7 @@ def test_decode_gemv_gated(ex, b):
     poison(ex, buf(x, 1 + nw))
     run(ex, "decode", bucket, i)
     ref = gated_act((a.astype(np.float64) @ wref.T.astype(np.float64)) * sc, ex.spec.activation)
-    assert rel(activation(ex, buf(x, 1 + nw), bucket, n // 2, ofmt), ref) <= TOL_F32
+    return activation(ex, buf(x, 1 + nw), bucket, n // 2, ofmt), ref
 
 
 def ring_norm_scale(ex, x, rows: int, k: int, rng) -> np.ndarray:
@@ -474,6 +481,24 @@ def test_decode_gemv_8b_shape(ex8b, b):
     assert expect <= kernels
     test_decode_gemv(ex8b, b)
     test_decode_gemv_gated(ex8b, b)
+
+
+def test_decode_gemv_8b_unrolled(ex8b):
+    """--gemv-ring-unroll: the 8B shape's one-row gate_up on gemv_ringxr_gated_* (its stage loop unrolled over the
+    ring, a tile being one revolution of it) against float64 products of the hi plane, and bit for bit the outputs of
+    the rolled gemv_ringx_gated_* on the same weights, activation and norm partials (the same bundle otherwise)."""
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-unroll")), use_graphs=False)
+    try:
+        kernels = {x.kernel for x in ex.program.phase("decode", 1).launches}
+        assert "gemv_ringxr_gated_nvfp4_nb1" in kernels and "gemv_ringx_gated_nvfp4_nb1" not in kernels
+        got, ref = gated_case(ex, 1)
+        assert rel(got, ref) <= TOL_F32
+        rolled, _ = gated_case(ex8b, 1)
+        assert np.array_equal(got, rolled), "the unrolled loop's outputs differ from the rolled loop's"
+    finally:
+        ex.close()
 
 
 @pytest.mark.parametrize("b", [1, 2, 4, 8])

@@ -383,6 +383,24 @@ def test_streamed_gemv_where_whole_stages():
         if streamed:
             assert prog.kernel_smem["gemv_ring_nvfp4_nb8"] == 73728
             assert prog.kernel_smem["gemv_ringx_gated_nvfp4_nb1"] == 73728 + 16640
+    # --gemv-ring-unroll: the one-row gate_up (K range 1024 a warp: 4 stages, one revolution of the ring) on
+    # gemv_ringxr_gated_*, the same grid, shared memory and arguments; every other launch of every phase unchanged
+    t = load_target("sm_90a")
+    plan = plan_memory(spec, formats, [t], None, 4096, 64)
+    base = build_program(spec, formats, t, plan, ProgramOptions(), None)
+    unrolled = build_program(spec, formats, t, plan, ProgramOptions(gemv_ring_unroll=True), None)
+    changed = 0
+    for pa, pb in zip(base.phases, unrolled.phases):
+        assert (pa.phase, pa.tokens, len(pa.launches)) == (pb.phase, pb.tokens, len(pb.launches))
+        for xa, xb in zip(pa.launches, pb.launches):
+            if xa.kernel == "gemv_ringx_gated_nvfp4_nb1":
+                assert xb.kernel == "gemv_ringxr_gated_nvfp4_nb1"
+                assert (xa.grid, xa.block, xa.smem, xa.args, xa.pdl) == (xb.grid, xb.block, xb.smem, xb.args, xb.pdl)
+                changed += 1
+            else:
+                assert xa == xb
+    assert changed == spec.n_layers                # one gate_up a layer, in the one-row decode phase only
+    assert unrolled.kernel_smem["gemv_ringxr_gated_nvfp4_nb1"] == 73728 + 16640
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
     from imp_runtime.spec import ModelSpec
     small = ModelSpec(family="llama", vocab_size=49152, hidden=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
