@@ -443,11 +443,17 @@ class LinearLaunches:
         return (nb in GR_NB and self.gemv_rows <= max(GR_NB) and self.ring_shape_ok(lin, gated)
                 and not self.norm_fused(lin, True, 1))
 
+    @staticmethod
+    def ring_stages(lin: _Lin, gated: bool) -> float:
+        """The ring stages of each warp's K range in a tile of lin (templates/gemv_ring.cu.j2 R; whole where
+        ring_shape_ok): K over the warps splitting it (gated: half of them, templates/gemv.cu.j2 KW), 32 k a chunk,
+        4 chunks a group, GR_UR groups a stage."""
+        return lin.k / (32 * (GV_WARPS // 2 if gated else GV_WARPS) * 4 * GR_UR)
+
     def ring_shape_ok(self, lin: _Lin, gated: bool = False) -> bool:
         """ring_ok's conditions on the target and lin's shape alone."""
-        warps = GV_WARPS // 2 if gated else GV_WARPS            # the warps splitting K (templates/gemv.cu.j2 KW)
         return (self.target["compute_capability"][0] == 9 and lin.fmt == "nvfp4"
-                and lin.k % (32 * warps * 4 * GR_UR) == 0      # every warp's K range whole stages
+                and self.ring_stages(lin, gated).is_integer()  # every warp's K range whole stages
                 and (lin.n // 2 if gated else lin.n) % 16 == 0)
 
     def gemv_launch(self, kern: str, lin: _Lin, nb: int, tiles: int) -> tuple[str, int, int]:
@@ -465,7 +471,7 @@ class LinearLaunches:
             return kern, tiles, 0
         # --gemv-ring-unroll: one-row gate_up's stage loop unrolled where a tile is one revolution of the four-stage
         # ring (templates/gemv_ring.cu.j2 REV: gemv_ringxr_gated_*; the same bits as gemv_ringx_gated_*)
-        rev = gated and self.opt.gemv_ring_unroll and lin.k // (32 * (GV_WARPS // 2) * 4 * GR_UR) == GR_STAGES
+        rev = gated and self.opt.gemv_ring_unroll and self.ring_stages(lin, gated) == GR_STAGES
         ringx = "ringxr" if rev else "ringx"
         ring3 = not gated and nb <= 4 and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
         if nb == 1 and not ring3:

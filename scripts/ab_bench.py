@@ -14,9 +14,9 @@ another imp_runtime package) on one bundle, which may then be both A_BUNDLE and 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
-import os
 import subprocess
 import sys
 

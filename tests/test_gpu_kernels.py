@@ -106,6 +106,12 @@ def activation(ex, name: str, rows: int, k: int, fmt: int) -> np.ndarray:
 XF_F16X2_HI = -1     # (tests) XF_F16X2 planes written, the hi plane alone read: a streamed GEMV's input (ring_read)
 
 
+def gemv_input_format(kernel: str, fmt: str) -> int:
+    """The activation format a decode GEMV kernel over weights of format fmt reads (put_activation's fmt)."""
+    from imp_runtime.activation_formats import xfmt
+    return XF_F16X2_HI if kernel.startswith("gemv_ring") else xfmt(fmt)
+
+
 def put_activation(ex, name: str, a: np.ndarray, fmt: int) -> np.ndarray:
     """Write float32 a [rows, k] into an activation buffer in format fmt; the float32 its reader multiplies."""
     from imp_runtime.activation_formats import (XF_BF16, XF_F16, XF_F16_SCALE, XF_F16W, XF_F16X2, ring_read, to_planes,
@@ -168,7 +174,7 @@ def dot_rel(got, ref, a, w, base=None) -> float:
 
 def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict) -> None:
     """A GEMV or GEMM launch: out[m, N] (= | +=) a[m, K] @ W^T, with the activation format it reads."""
-    from imp_runtime.activation_formats import gfmt, xfmt
+    from imp_runtime.activation_formats import gfmt
     if x.kernel.startswith("gemm_wg"):
         return check_wgmma(ex, phase, tokens, index, x, m, rng, env)
     if x.kernel.startswith("gemm_wq"):
@@ -178,7 +184,7 @@ def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: d
     a_name, out = buf(x, 0), buf(x, 1 + nw)
     if x.kernel.startswith("gemv"):
         n, k, mode = scalar(x, 2 + nw), scalar(x, 3 + nw), scalar(x, 5 + nw)
-        afmt, tol = (XF_F16X2_HI if x.kernel.startswith("gemv_ring") else xfmt(fmt)), TOL_F32
+        afmt, tol = gemv_input_format(x.kernel, fmt), TOL_F32
     else:
         n, k, mode = scalar(x, 3 + nw), scalar(x, 4 + nw), scalar(x, 5 + nw)
         afmt, tol = gfmt(fmt), TOL
@@ -424,7 +430,6 @@ def test_decode_gemv_gated(ex, b):
 def gated_case(ex, b):
     """test_decode_gemv_gated's launch on random weights, activation and norm partials drawn from a seed of b:
     (its outputs, their float64 reference)."""
-    from imp_runtime.activation_formats import xfmt
     from imp_runtime.executor_cpu import gated_act
     bucket = next((t for t in ex.decode_buckets if t >= b), None)
     hits = [(i, x) for i, x in enumerate(ex.program.phase("decode", bucket).launches)
@@ -438,7 +443,7 @@ def gated_case(ex, b):
     rng = np.random.default_rng(50 + b)
     wref = random_weights(ex, x, list(range(1, 1 + nw)), n, k, rng)
     a = (rng.standard_normal((bucket, k)) * 0.3).astype(np.float32)
-    a = put_activation(ex, buf(x, 0), a, XF_F16X2_HI if x.kernel.startswith("gemv_ring") else xfmt(fmt))
+    a = put_activation(ex, buf(x, 0), a, gemv_input_format(x.kernel, fmt))
     sc = ring_norm_scale(ex, x, bucket, k, rng)
     poison(ex, buf(x, 1 + nw))
     run(ex, "decode", bucket, i)
