@@ -92,10 +92,11 @@ def _add_compile(sub) -> None:
                    help="one-row decode: the RMSNorm in the prologue of the GEMVs of bf16 weights too (the byte budget's "
                         "bf16 projections), as NVFP4 ones have it, instead of a launch before them (default on; "
                         "BENCHMARKS.md: SmolLM2 shape all bf16, b1 +6.4%%); --no-norm-prologue-bf16 keeps the launch")
-    p.add_argument("--gemv-ring-unroll", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--gemv-ring-unroll", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode at one row: gate_up's streamed GEMV with its stage loop unrolled over the ring "
-                        "where a tile is one revolution of it (constant slots and offsets; the same bits); off by "
-                        "default: built, not yet measured on a GPU (BENCHMARKS.md, thirty-second session)")
+                        "where a tile is one revolution of it (constant slots and offsets; the same bits; default on: "
+                        "8B shape b1 +0.6%%, BENCHMARKS.md thirty-third session); --no-gemv-ring-unroll keeps the "
+                        "rolled loop")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "

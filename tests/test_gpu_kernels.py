@@ -477,10 +477,10 @@ def ex8b():
 def test_decode_gemv_8b_shape(ex8b, b):
     """The 8B shape's streamed decode GEMVs at 1, 2, 4 and 8 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
     an SM; at 8 rows gemv_ring_*, two n8 groups), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
-    on gemv_ringx_gated_* (the activation's hi plane staged in shared memory); against float64 products of the hi
-    plane they read (ring_read)."""
+    on gemv_ringxr_gated_* (the activation's hi plane staged in shared memory, the stage loop unrolled over the ring);
+    against float64 products of the hi plane they read (ring_read)."""
     kernels = {x.kernel for x in ex8b.program.phase("decode", b).launches}
-    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1"} if b == 1 else
+    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringxr_gated_nvfp4_nb1"} if b == 1 else
               {"gemv_ring_nvfp4_nb8", "gemv_ring_gated_nvfp4_nb8"} if b == 8 else
               {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"})
     assert expect <= kernels
@@ -489,18 +489,20 @@ def test_decode_gemv_8b_shape(ex8b, b):
 
 
 def test_decode_gemv_8b_unrolled(ex8b):
-    """--gemv-ring-unroll: the 8B shape's one-row gate_up on gemv_ringxr_gated_* (its stage loop unrolled over the
-    ring, a tile being one revolution of it) against float64 products of the hi plane, and bit for bit the outputs of
-    the rolled gemv_ringx_gated_* on the same weights, activation and norm partials (the same bundle otherwise)."""
+    """--no-gemv-ring-unroll: the 8B shape's one-row gate_up on the rolled gemv_ringx_gated_* against float64 products
+    of the hi plane, and bit for bit the outputs of the default gemv_ringxr_gated_* (its stage loop unrolled over the
+    ring, a tile being one revolution of it) on the same weights, activation and norm partials (the same bundle
+    otherwise)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
-    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-unroll")), use_graphs=False)
+    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-rolled")), use_graphs=False)
     try:
         kernels = {x.kernel for x in ex.program.phase("decode", 1).launches}
-        assert "gemv_ringxr_gated_nvfp4_nb1" in kernels and "gemv_ringx_gated_nvfp4_nb1" not in kernels
-        got, ref = gated_case(ex, 1)
-        assert rel(got, ref) <= TOL_F32
-        rolled, _ = gated_case(ex8b, 1)
+        assert "gemv_ringx_gated_nvfp4_nb1" in kernels and "gemv_ringxr_gated_nvfp4_nb1" not in kernels
+        assert "gemv_ringxr_gated_nvfp4_nb1" in {x.kernel for x in ex8b.program.phase("decode", 1).launches}
+        rolled, ref = gated_case(ex, 1)
+        assert rel(rolled, ref) <= TOL_F32
+        got, _ = gated_case(ex8b, 1)
         assert np.array_equal(got, rolled), "the unrolled loop's outputs differ from the rolled loop's"
     finally:
         ex.close()

@@ -347,7 +347,7 @@ def test_synthetic_runs():
 
 @pytest.mark.parametrize("name,context", [("syn-qwen3-0.6b", 10), ("syn-qwen3-0.6b", 300), ("syn-qwen3-0.6b", 3000),
                                           ("qwen3-wide", 10), ("qwen3-wide", 300), ("qwen3-wide-i8", 300),
-                                          ("syn-qwen3-8b-2l", 300), ("syn-qwen3-8b-2l-unroll", 300),
+                                          ("syn-qwen3-8b-2l", 300), ("syn-qwen3-8b-2l-rolled", 300),
                                           ("qwen3-rope", 10), ("qwen3-rope", 300)])
 def test_decode_is_batch_invariant(name, context):
     """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
@@ -356,8 +356,8 @@ def test_decode_is_batch_invariant(name, context):
     activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
     run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64 (qwen3-wide-i8: with an INT8
     head, on its GEMM at every batch under --gemv-max-rows 0); the 8B shape's layers, whose
-    GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*; the test bundle runs 8 rows on them too; -unroll:
-    one row's gate_up on the unrolled loop, --gemv-ring-unroll, the others rolled); qwen3-rope, whose decode attention appends
+    GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*; the test bundle runs 8 rows on them too; one row's
+    gate_up on the unrolled loop, -rolled: on the rolled one, --no-gemv-ring-unroll); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor import StepRow

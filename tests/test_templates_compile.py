@@ -22,7 +22,7 @@ EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256
                  *[f"gemv_ring_{g}nvfp4_nb{n}" for g in ("", "gated_") for n in (1, 2, 4, 8)],
                  *[f"gemv_ring3_nvfp4_nb{n}" for n in (1, 2, 4)],     # the streamed GEMV
                  "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1",   # ... its staged x
-                 "gemv_ringxr_gated_nvfp4_nb1"]      # ... its stage loop unrolled (--gemv-ring-unroll)
+                 "gemv_ringxr_gated_nvfp4_nb1"]      # ... its stage loop unrolled (one row's gate_up by default)
 
 SHAPES = {
     "tiny-llama": ModelSpec(family="llama", vocab_size=384, hidden=64, n_layers=3, n_heads=4, n_kv_heads=2,
