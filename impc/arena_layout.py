@@ -199,6 +199,9 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # sum of squares of the new x, a row of them for each of up to 8 batch rows (GR_NB)
     n = 8 * (spec.hidden // 16)
     out.append(("norm_part", "scratch", "f32", (n,), n * 4, None))
+    # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored
+    n = spec.n_heads + 2 * spec.n_kv_heads
+    out.append(("rope_count", "scratch", "i32", (n,), n * 4, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
         for kv in ("k", "v"):

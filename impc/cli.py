@@ -97,6 +97,10 @@ def _add_compile(sub) -> None:
                         "where a tile is one revolution of it (constant slots and offsets; the same bits; default on: "
                         "8B shape b1 +0.6%%, BENCHMARKS.md thirty-third session); --no-gemv-ring-unroll keeps the "
                         "rolled loop")
+    p.add_argument("--qkv-rope-tail", action=argparse.BooleanOptionalAction, default=True,
+                   help="Hopper decode at one row where the qkv projection runs the three-blocks-an-SM streamed GEMV "
+                        "(the 8B shape): q/k norm, RoPE and the paged KV write in that launch's tail, one launch a "
+                        "layer fewer (default on: b1 +0.5%%); --no-qkv-rope-tail keeps the qkv_rope launch")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
@@ -182,7 +186,7 @@ def cmd_compile(a) -> int:
                           prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
                           norm_tail=a.norm_tail, norm_partials=a.norm_partials,
                           norm_prologue_bf16=a.norm_prologue_bf16, prefill_qkv_epilogue=a.prefill_qkv_epilogue,
-                          gemv_ring_unroll=a.gemv_ring_unroll)
+                          gemv_ring_unroll=a.gemv_ring_unroll, qkv_rope_tail=a.qkv_rope_tail)
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -58,6 +58,7 @@ class CompileOptions:
     prefill_qkv_epilogue: bool = False  # Hopper prefill: q / k norm, RoPE and the KV append in the qkv GEMM's epilogue
     norm_prologue_bf16: bool = True     # one-row decode: the norm in bf16 GEMVs' prologue too (impc/launches.py)
     gemv_ring_unroll: bool = True       # Hopper decode: gate_up's ring loop unrolled (impc/launch_linear.py; b1 +0.6%)
+    qkv_rope_tail: bool = True          # Hopper decode: qkv_rope's work in the streamed qkv GEMV's tail (launch_linear.py)
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused

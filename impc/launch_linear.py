@@ -391,17 +391,22 @@ class LinearLaunches:
               [(lin.name + ".codes", lin.n * lin.k // 2), (lin.name + ".scales", blocks)], [(out, lin.n * lin.k * 2)])
 
     def linear(self, e: _Emitter, a: str, lin: _Lin, out: str, rows, mode: int, planes: bool, split_k: bool,
-               nb: int = 0, norm: str | None = None, partial_norm: str | None = None, scaled: bool = False) -> None:
+               nb: int = 0, norm: str | None = None, partial_norm: str | None = None, scaled: bool = False,
+               rope: tuple[int, list] | None = None) -> bool:
         """out[rows, N] (= | +=) a[rows, K] @ W^T: the decode GEMV over x planes (planes, rows <= nb), or the
         GEMM over gfmt(W) activations (split over K with atomics when split_k). norm: gemm_wq's norm tail;
         partial_norm: the ring GEMV adding into x writes the next norm as partial sums with this weight (ring_norm_ok);
-        scaled: the ring GEMV reads such planes and scales its rows by their norm."""
+        scaled: the ring GEMV reads such planes and scales its rows by their norm. rope: the qkv projection's layer
+        and qkv_rope_cache_f16's arguments after the qkv rows, for its work in the GEMV's tail where rope_tail_ok.
+        Returns whether the launch took that work."""
         if self.wq_ok(lin):
             assert partial_norm is None and not scaled
-            return self.linear_wq(e, a, lin, out, rows, mode, norm)
+            self.linear_wq(e, a, lin, out, rows, mode, norm)
+            return False
         assert norm is None, "only gemm_wq norms in its tail"
         if self.wg_layers and lin.name.startswith("layers."):
-            return self.linear_wgmma(e, a, lin, out, rows, mode)
+            self.linear_wgmma(e, a, lin, out, rows, mode)
+            return False
         m = ev(rows, self.rows_max, self.MB)
         reads = lin.reads() + [(a, 2 * m * lin.k * 2 if planes else m * lin.k * 2)] + ([(out, m * lin.n * 4)] if mode else [])
         writes = [(out, m * lin.n * 4)]
@@ -411,11 +416,23 @@ class LinearLaunches:
             if kern == "gemv_bf16_nb1" and bf16w_ok(lin):
                 kern = "gemv_bf16w_nb1"
             norm_args, norm_reads, norm_writes = self.ring_norm(kern, lin, m, partial_norm, scaled)
+            rope_args = []
+            if rope is not None and self.rope_tail_ok(kern, lin, mode):
+                # (before the norm's: a streamed GEMV's last four arguments are those, GEMV_NORM_PARAMS)
+                kern = "gemv_ring3_rope_" + kern[len("gemv_ring3_"):]
+                self.kernel_smem[kern] = smem
+                i, inputs = rope
+                s = self.spec
+                rope_args = [*inputs, ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("rope_count")]
+                heads = s.n_heads + 2 * s.n_kv_heads
+                reads += [("positions", m * 4), ("kv_slots", m * 4), ("rope_count", heads * 4)]
+                writes += [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2),
+                           ("rope_count", heads * 4)]
             e.add(kern, (grid,), (256,),
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(e.add_mode(kern, mode, out)),
-                   *norm_args],
+                   *rope_args, *norm_args],
                   reads + norm_reads, writes + norm_writes, smem=smem)
-            return
+            return bool(rope_args)
         gx = (lin.n + GEMM_TILE_N - 1) // GEMM_TILE_N
         gy = rows_div(rows, GEMM_TILE_M)
         splits = 1
@@ -430,6 +447,19 @@ class LinearLaunches:
         kern = {"nvfp4": "gemm_nvfp4_f16", "int8": "gemm_int8_f16"}.get(lin.fmt, "gemm_bf16")
         e.add(kern, (gx, gy, splits), (256,), [ptr(a), *lin.weight_args(), ptr(out), i32(rows), i32(lin.n),
                                                i32(lin.k), i32(mode)], reads, writes)
+        return False
+
+    def rope_tail_ok(self, kern: str, lin: _Lin, mode: int) -> bool:
+        """qkv_rope_cache_f16's work (bias, q/k norm, RoPE, q out, k and v into the paged cache) in the tail of the qkv
+        projection's decode GEMV (templates/gemv_ring.cu.j2 rope_tail: the block storing a head's last tile does the
+        head), one launch a layer fewer: where it runs gemv_ring3_* (one tile a block, the whole grid resident: the
+        8B shape; a persistent block's next tiles would wait behind a head's tail) at one row (8B shape b1 +0.5%; at 2
+        and 4 rows -2.4% and -3.3%, the launch kept: BENCHMARKS.md, thirty-third session), storing the float32 qkv rows
+        (the tail reads them back from L2), heads of whole 16-row tiles (--no-qkv-rope-tail: the launch). The same
+        arithmetic on the same values as qkv_rope_cache_f16: the same bits, so the program, whose other batches keep
+        that launch, stays batch-invariant."""
+        return (self.opt.qkv_rope_tail and kern == "gemv_ring3_nvfp4_nb1" and mode == 0
+                and lin.name.endswith(".qkv") and self.spec.head_dim % 16 == 0)
 
     def ring_ok(self, lin: _Lin, nb: int, gated: bool = False) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the

@@ -57,6 +57,8 @@ class ProgramOptions:
     gemv_ring_unroll: bool = True     # Hopper one-row decode: gate_up's streamed GEMV, its stage loop unrolled over
                                       # the ring where a tile is one revolution (launch_linear.py gemv_launch; 8B
                                       # shape b1 +0.6%, BENCHMARKS.md)
+    qkv_rope_tail: bool = True        # Hopper one-row decode where qkv runs gemv_ring3_*: q/k norm, RoPE and the KV
+                                      # append in its launch's tail (launch_linear.py rope_tail_ok), no qkv_rope launch
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,12 +110,15 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
     """Kernels no program of this shape, target and options launches, whatever formats the byte budget picks
     (emit leaves them out of the cubin; the program is validated against the cubin all the same)."""
     out = {"attn_prefill_f16"} if prefill_attention_wgmma(spec, target, options) else set()
-    if not resolve_options(spec, options).rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
+    rope_in_attention = resolve_options(spec, options).rope_in_attention
+    if not rope_in_attention:       # (templates/attn_decode.cu.j2 leaves both out on the first's name)
         out |= {"attn_decode_rope_f16"}
         if attn_decode_geometry(spec, target)["smem3"]:
             out.add("attn_decode_rope_f16_r3")
     if not options.prefill_qkv_epilogue and target["compute_capability"][0] == 9 and spec.head_dim in (64, 128):
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
+    if target["compute_capability"][0] == 9 and (rope_in_attention or not options.qkv_rope_tail):
+        out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2 leaves out every NB on the first's name)
     if not options.norm_prologue_bf16:
         out |= {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}   # (templates/gemv.cu.j2: not with the option off)
     return frozenset(out)
@@ -251,7 +256,9 @@ class ProgramBuilder(LinearLaunches):
                 if fused:
                     self.linear_wgmma(e, "hb", qkv, "qkv", rows, 0, rope=(i, self.rope_inputs(i)))
                 else:
-                    self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled)
+                    # ... or in the qkv GEMV's tail (rope_tail_ok)
+                    fused = self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled,
+                                        rope=None if rope_in_attention else (i, self.rope_inputs(i)))
             if not rope_in_attention and not fused:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
@@ -508,7 +515,8 @@ class ProgramBuilder(LinearLaunches):
         # decode attention's per-(sequence, kv head) block counters start at 0 (each launch leaves them at 0)
         n = self.buffers["attn_counts"].shape[0] * self.buffers["attn_counts"].shape[1]
         e.add("fill_f32", (1,), (256,), [ptr("attn_counts"), {"u64": n}, {"f32": 0.0}], [], [("attn_counts", n * 4)])
-        for name in ("wg_flags", "norm_count"):    # split-K turn flags and the norm tail's counts start at 0
+        for name in ("wg_flags", "norm_count", "rope_count"):   # split-K turn flags, the norm tail's and the rope
+            # tail's counts start at 0
             if name in self.buffers:
                 n = self.buffers[name].shape[0]
                 e.add("fill_f32", (1,), (256,), [ptr(name), {"u64": n}, {"f32": 0.0}], [], [(name, n * 4)])

@@ -289,6 +289,9 @@ def test_decode_gemv(ex, b):
         if x.kernel.startswith("gemv_") and "gated" not in x.kernel and "_norm_" not in x.kernel \
                 and (x.kernel, scalar(x, 5 + nw)) not in seen:
             seen.add((x.kernel, scalar(x, 5 + nw)))
+            if "_rope_" in x.kernel:       # its tail writes q and the KV pages at the step's slots (own test below)
+                put(ex, "positions", np.zeros(b, np.int32))
+                put(ex, "kv_slots", np.arange(b, dtype=np.int32))
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
         pytest.skip(f"decode {b} runs the GEMM (above the GEMV's rows)")
@@ -476,11 +479,12 @@ def ex8b():
 @pytest.mark.parametrize("b", [1, 2, 4, 8])
 def test_decode_gemv_8b_shape(ex8b, b):
     """The 8B shape's streamed decode GEMVs at 1, 2, 4 and 8 rows: qkv on gemv_ring3_* (384 tiles: a block each, three
-    an SM; at 8 rows gemv_ring_*, two n8 groups), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
+    an SM; at one row gemv_ring3_rope_*, qkv_rope's work in its tail, test_decode_gemv_rope_tail; at 8 rows
+    gemv_ring_*, two n8 groups), o and down on gemv_ring_*, gate_up on gemv_ring_gated_*; at one row o and down on gemv_ringx_* and gate_up
     on gemv_ringxr_gated_* (the activation's hi plane staged in shared memory, the stage loop unrolled over the ring);
     against float64 products of the hi plane they read (ring_read)."""
     kernels = {x.kernel for x in ex8b.program.phase("decode", b).launches}
-    expect = ({"gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringxr_gated_nvfp4_nb1"} if b == 1 else
+    expect = ({"gemv_ring3_rope_nvfp4_nb1", "gemv_ringx_nvfp4_nb1", "gemv_ringxr_gated_nvfp4_nb1"} if b == 1 else
               {"gemv_ring_nvfp4_nb8", "gemv_ring_gated_nvfp4_nb8"} if b == 8 else
               {f"gemv_ring3_nvfp4_nb{b}", f"gemv_ring_nvfp4_nb{b}", f"gemv_ring_gated_nvfp4_nb{b}"})
     assert expect <= kernels
@@ -506,6 +510,64 @@ def test_decode_gemv_8b_unrolled(ex8b):
         assert np.array_equal(got, rolled), "the unrolled loop's outputs differ from the rolled loop's"
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("b", [1])
+def test_decode_gemv_rope_tail(ex8b, b):
+    """The 8B shape's qkv GEMV at one row with qkv_rope_cache_f16's work in its tail (gemv_ring3_rope_*,
+    templates/gemv_ring.cu.j2 rope_tail): its float32 qkv rows against float64 products; q and the new keys and values
+    in the paged cache against q/k norm and RoPE (executor_cpu.rms_norm, runtime/rope.py) of those rows; bit for bit
+    what qkv_rope_cache_f16 writes from the same rows (the launch the other batches keep); the heads' counts left at
+    0, so a second launch writes the same."""
+    from imp_runtime.executor_cpu import rms_norm
+    from imp_runtime.rope import apply_rope, cos_sin
+    ex, s = ex8b, ex8b.spec
+    i, x = find(ex, "decode", b, "gemv_ring3_rope_nvfp4")
+    assert not any(y.kernel == "qkv_rope_cache_f16" for y in ex.program.phase("decode", b).launches)
+    rng = np.random.default_rng(140 + b)
+    n, k = scalar(x, 5), scalar(x, 6)
+    assert n == s.q_dim + 2 * s.kv_dim and buf(x, 4) == "qkv"
+    assert [buf(x, j) for j in (15, 16, 17, 18)] == ["q", "kv.0.k", "kv.0.v", "rope_count"]
+    wref = random_weights(ex, x, [1, 2, 3], n, k, rng)
+    a = put_activation(ex, buf(x, 0), (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2_HI)
+    sc = ring_norm_scale(ex, x, b, k, rng)
+    qn, kn = (rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32) for _ in range(2))
+    put(ex, buf(x, 10), qn), put(ex, buf(x, 11), kn)
+    pos = rng.integers(0, ex.max_context, b).astype(np.int32)
+    slots = (np.arange(1, b + 1) * ex.page_size + 3).astype(np.int32)          # pages 1..b, offset 3
+    put(ex, "positions", pos), put(ex, "kv_slots", slots)
+    outs = []
+    for rep in range(2):
+        for name in ("qkv", "q", "kv.0.k", "kv.0.v"):
+            poison(ex, name)
+        run(ex, "decode", b, i)
+        qkv = get(ex, "qkv", np.float32, b * n).reshape(b, n)
+        q = get(ex, "q", np.uint16, b * s.q_dim)
+        kv = [np.stack([read_kv_slot(ex, f"kv.0.{c}", sl) for sl in slots]) for c in "kv"]
+        outs.append((qkv, q, *kv))
+        assert not get(ex, "rope_count", np.int32, s.n_heads + 2 * s.n_kv_heads).any(), "a head's count left"
+    for u, v in zip(*outs):
+        assert np.array_equal(u, v), "a second launch wrote other values"
+    qkv, q16, kc, vc = outs[0]
+    ref = (a.astype(np.float64) @ wref.T.astype(np.float64)) * sc
+    assert dot_rel(qkv, ref, a * sc.astype(np.float32), wref) <= TOL_F32
+    qh = qkv[:, :s.q_dim].reshape(b, s.n_heads, s.head_dim)
+    kh = qkv[:, s.q_dim:s.q_dim + s.kv_dim].reshape(b, s.n_kv_heads, s.head_dim)
+    vh = qkv[:, s.q_dim + s.kv_dim:].reshape(b, s.n_kv_heads, s.head_dim)
+    cos, sin = cos_sin(s, 0, pos.astype(np.int64))
+    qr, kr = apply_rope(rms_norm(qh, qn, s.norm_eps), cos, sin), apply_rope(rms_norm(kh, kn, s.norm_eps), cos, sin)
+    assert rel(q16.view(np.float16).astype(np.float32), qr.reshape(-1)) <= TOL
+    assert rel(kc, kr) <= TOL and rel(vc, vh) <= TOL
+    # qkv_rope_cache_f16 (prefill's launch for layer 0) from the same float32 rows: the same bits
+    j, y = find(ex, "prefill", ex.prefill_chunk, "qkv_rope_cache_f16")
+    assert [buf(y, c) for c in (0, 2, 3, 7, 8, 9)] == ["qkv", buf(x, 10), buf(x, 11), "q", "kv.0.k", "kv.0.v"]
+    for name in ("q", "kv.0.k", "kv.0.v"):
+        poison(ex, name)
+    run(ex, "prefill", ex.prefill_chunk, j, rows=b, start=0, slot=1)
+    assert np.array_equal(get(ex, "q", np.uint16, b * s.q_dim), q16), "q: not qkv_rope_cache_f16's bits"
+    for c, got in (("k", kc), ("v", vc)):
+        want = np.stack([read_kv_slot(ex, f"kv.0.{c}", sl) for sl in slots])
+        assert np.array_equal(want, got), f"{c}: not qkv_rope_cache_f16's bits"
 
 
 @pytest.mark.parametrize("b", [1, 2, 4, 8])
@@ -552,6 +614,9 @@ def test_decode_gemv_norm_partials(ex8b, b):
         nr, kr = scalar(xr, 5), scalar(xr, 6)
         wr = random_weights(ex, xr, [1, 2, 3], nr, kr, rng)
         poison(ex, buf(xr, 4))
+        if "_rope_" in xr.kernel:          # (its tail writes q and the KV pages at the step's slots)
+            put(ex, "positions", np.zeros(b, np.int32))
+            put(ex, "kv_slots", np.arange(b, dtype=np.int32))
         run(ex, "decode", b, ir)
         # (the reader multiplies the hi plane of x * w, scaled by the row's rms from the float32 partials)
         xd = xs.astype(np.float64)

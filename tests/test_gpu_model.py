@@ -356,7 +356,8 @@ def test_decode_is_batch_invariant(name, context):
     activations round differently, held to the cpu executor instead, test above); qwen3-wide, whose batches all
     run the NVFP4 decode GEMM (the same K splits at every batch), in batches of 1..64 (qwen3-wide-i8: with an INT8
     head, on its GEMM at every batch under --gemv-max-rows 0); the 8B shape's layers, whose
-    GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*; the test bundle runs 8 rows on them too; one row's
+    GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*, at one row gemv_ring3_rope_*, qkv_rope's work in its tail,
+    the others its launch after; the test bundle runs 8 rows on them too; one row's
     gate_up on the unrolled loop, -rolled: on the rolled one, --no-gemv-ring-unroll); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle

@@ -374,7 +374,8 @@ def test_streamed_gemv_where_whole_stages():
                 # 4096 / 4) 8 x 2080, down (12288 / 8) 8 x 3104, all three beside a four-stage ring (with both
                 # planes, down's 49,664 bytes left room for three stages only: two blocks an SM of 227 KB)
                 # (gate_up's stage loop unrolled over the ring: --gemv-ring-unroll, the default; below)
-                assert [x.kernel for x in layer0] == ["gemv_ring3_nvfp4_nb1", "gemv_ringx_nvfp4_nb1",
+                # (qkv with qkv_rope's work in its tail: --qkv-rope-tail, the default; test_qkv_rope_tail)
+                assert [x.kernel for x in layer0] == ["gemv_ring3_rope_nvfp4_nb1", "gemv_ringx_nvfp4_nb1",
                                                       "gemv_ringxr_gated_nvfp4_nb1", "gemv_ringx_nvfp4_nb1"]
                 assert [x.smem for x in layer0] == [55296, 73728 + 8448, 73728 + 16640, 73728 + 24832]
                 continue
@@ -439,7 +440,8 @@ def test_rope_in_attention_program():
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
     ad = attn_decode_geometry(spec, t)
     on = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=True), None)
-    off = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=False), None)
+    # (off: the qkv_rope launch, not its work in the qkv GEMV's tail, test_qkv_rope_tail_program)
+    off = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=False, qkv_rope_tail=False), None)
     assert on.options["rope_in_attention"] and not off.options["rope_in_attention"]
     assert not build_program(spec, formats, t, plan, ProgramOptions(), None).options["rope_in_attention"]
     for prog, fused in ((on, True), (off, False)):
@@ -465,9 +467,72 @@ def test_rope_in_attention_program():
                 assert not any(k.startswith("attn_decode_rope") for k in kernels)
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
-        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set())          # (--prefill-qkv-epilogue's kernel)
+        {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {      # (--prefill-qkv-epilogue's kernel)
+        "gemv_ring3_rope_nvfp4_nb1"}                                            # (the rope tail's, below)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(
         spec, t, ProgramOptions(rope_in_attention=False))
+
+
+def test_qkv_rope_tail_program():
+    """--qkv-rope-tail (the default): where the qkv projection runs gemv_ring3_* at one row (the 8B shape), its
+    launch is gemv_ring3_rope_* taking qkv_rope_cache_f16's arguments after the qkv rows (bias, q / k norm weights,
+    inverse frequencies, positions, KV slots, then q and the layer's K and V pools) and the heads' tile counts, before
+    the norm's four, and no qkv_rope launch follows: 5 launches a layer. Everything else as without the option;
+    2 and 4 rows (gemv_ring3_*: slower so), 8 (--gemv-max-rows 8: gemv_ring_*, a persistent grid), the GEMM's
+    batches, prefill, shapes whose qkv is not on ring3 (the 0.6B shape) and --rope-in-attention keep their launches. The counts start at 0 (the init phase)."""
+    import dataclasses
+
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]
+    formats = default_formats(spec)
+    t = load_target("sm_90a")
+    plan = plan_memory(spec, formats, [t], None, 4096, 64)
+    on = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8), None)
+    off = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8, qkv_rope_tail=False), None)
+    heads = spec.n_heads + 2 * spec.n_kv_heads
+    assert on.buffers["rope_count"].bytes == heads * 4
+    assert any(x.kernel == "fill_f32" and x.args[0]["ptr"] == "rope_count" for x in on.phase("init", 0).launches)
+    for pa, pb in zip(on.phases, off.phases):
+        assert (pa.phase, pa.tokens) == (pb.phase, pb.tokens)
+        tail = pa.phase == "decode" and pa.tokens == 1
+        ka, kb = [x.kernel for x in pa.launches], [x.kernel for x in pb.launches]
+        if not tail:
+            assert pa.launches == pb.launches
+            continue
+        assert "qkv_rope_cache_f16" not in ka and kb.count("qkv_rope_cache_f16") == spec.n_layers
+        assert len(ka) == len(kb) - spec.n_layers
+        rest = [x for x in pb.launches if x.kernel != "qkv_rope_cache_f16"]
+        assert len(rest) == len(pa.launches)
+        layer = 0
+        for xa, xb in zip(pa.launches, rest):
+            if xb.kernel.startswith("gemv_ring3_nvfp4_"):
+                assert xa.kernel == xb.kernel.replace("gemv_ring3_", "gemv_ring3_rope_")
+                assert (xa.grid, xa.block, xa.smem, xa.pdl) == (xb.grid, xb.block, xb.smem, xb.pdl)
+                assert xa.args[:9] == xb.args[:9] and xa.args[-4:] == xb.args[-4:]
+                p = f"layers.{layer}."
+                assert [a.get("ptr") for a in xa.args[9:-4]] == [
+                    None, p + "q_norm", p + "k_norm", "rope.0", "positions", "kv_slots", "q", f"kv.{layer}.k",
+                    f"kv.{layer}.v", "rope_count"]
+                assert {f"kv.{layer}.k", f"kv.{layer}.v", "q", "rope_count"} <= {b for b, _ in xa.writes}
+                layer += 1
+            else:
+                assert xa == xb
+        assert layer == spec.n_layers
+    assert len(on.phase("decode", 1).launches) == len(off.phase("decode", 1).launches) - spec.n_layers
+    assert "gemv_ring3_rope_nvfp4_nb1" not in kernels_not_launched(spec, t, ProgramOptions())
+    assert "gemv_ring3_rope_nvfp4_nb1" in kernels_not_launched(spec, t, ProgramOptions(qkv_rope_tail=False))
+    # ... not with --rope-in-attention (the attention does that work), nor where qkv is not on ring3
+    ria = build_program(spec, formats, t, plan, ProgramOptions(rope_in_attention=True), None)
+    assert not any("rope_nvfp4" in x.kernel for ph in ria.phases for x in ph.launches)
+    # the Qwen3-0.6B shape: qkv 16 + 2 x 8 heads of 128 = 256 tiles, on the persistent grid (two blocks an SM)
+    small = dataclasses.replace(spec, hidden=1024, n_layers=2, n_heads=16, intermediate=3072)
+    f = default_formats(small)
+    prog = build_program(small, f, t, plan_memory(small, f, [t], None, 4096, 64), ProgramOptions(), None)
+    assert not any("rope_nvfp4" in x.kernel for ph in prog.phases for x in ph.launches)
+    assert sum(x.kernel == "qkv_rope_cache_f16" for x in prog.phase("decode", 1).launches) == 2
 
 
 def test_rope_in_attention_default_by_shape():
