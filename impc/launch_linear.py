@@ -500,8 +500,15 @@ class LinearLaunches:
         if not self.ring_ok(lin, nb, gated=gated):
             return kern, tiles, 0
         # --gemv-ring-unroll: one-row gate_up's stage loop unrolled where a tile is one revolution of the four-stage
-        # ring (templates/gemv_ring.cu.j2 REV: gemv_ringxr_gated_*; the same bits as gemv_ringx_gated_*)
-        rev = gated and self.opt.gemv_ring_unroll and self.ring_stages(lin, gated) == GR_STAGES
+        # ring (templates/gemv_ring.cu.j2 RU: gemv_ringxr_gated_*; the same bits as gemv_ringx_gated_*), and down's
+        # where a block has one tile (gemv_ringxr_*, RU rendered from the shape's intermediate size: K / 2048 stages,
+        # 3 to 8)
+        stages = self.ring_stages(lin, gated)
+        if gated:
+            rev = self.opt.gemv_ring_unroll and stages == GR_STAGES
+        else:
+            rev = (self.opt.gemv_ring_unroll and lin.k == self.spec.intermediate and stages in range(3, 9)
+                   and tiles <= GR_BLOCKS * self.sm_count)
         ringx = "ringxr" if rev else "ringx"
         ring3 = not gated and nb <= 4 and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
         if nb == 1 and not ring3:

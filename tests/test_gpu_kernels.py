@@ -496,7 +496,7 @@ def test_decode_gemv_8b_unrolled(ex8b):
     """--no-gemv-ring-unroll: the 8B shape's one-row gate_up on the rolled gemv_ringx_gated_* against float64 products
     of the hi plane, and bit for bit the outputs of the default gemv_ringxr_gated_* (its stage loop unrolled over the
     ring, a tile being one revolution of it) on the same weights, activation and norm partials (the same bundle
-    otherwise)."""
+    otherwise); down the same, on gemv_ringx_* and gemv_ringxr_* (6 stages a tile unrolled, a tile a block)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
     ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-rolled")), use_graphs=False)
@@ -508,8 +508,35 @@ def test_decode_gemv_8b_unrolled(ex8b):
         assert rel(rolled, ref) <= TOL_F32
         got, _ = gated_case(ex8b, 1)
         assert np.array_equal(got, rolled), "the unrolled loop's outputs differ from the rolled loop's"
+        # down (6 stages a tile, one tile a block): gemv_ringxr_* against the rolled gemv_ringx_*
+        kern_r, *rolled = down_case(ex, 1)
+        kern_u, *got = down_case(ex8b, 1)
+        assert (kern_r, kern_u) == ("gemv_ringx_nvfp4_nb1", "gemv_ringxr_nvfp4_nb1")
+        for u, v in zip(got, rolled):
+            assert np.array_equal(u, v), "down: the unrolled loop's outputs differ from the rolled loop's"
     finally:
         ex.close()
+
+
+def down_case(ex, b):
+    """The first down GEMV of the decode bucket b (adding into x and writing the next norm's planes and partial sums)
+    on random weights, activation, residual and norm weight drawn from a seed of b, held to float64 products: (its
+    kernel, the x it stored, the planes, the partial sums)."""
+    i, x = next((i, x) for i, x in enumerate(ex.program.phase("decode", b).launches)
+                if x.kernel.startswith("gemv_ring") and buf(x, 1).endswith(".down.codes"))
+    rng = np.random.default_rng(160 + b)
+    n, k = scalar(x, 5), scalar(x, 6)
+    wref = random_weights(ex, x, [1, 2, 3], n, k, rng)
+    a = put_activation(ex, buf(x, 0), (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2_HI)
+    base = (rng.standard_normal((b, n)) * 3).astype(np.float32)
+    put(ex, buf(x, 4), base)
+    put(ex, buf(x, len(x.args) - 4), rng.uniform(0.5, 1.5, n).astype(np.float32))
+    poison(ex, "hb")
+    poison(ex, "norm_part")
+    run(ex, "decode", b, i)
+    xs = get(ex, buf(x, 4), np.float32, b * n).reshape(b, n)
+    assert dot_rel(xs, a.astype(np.float64) @ wref.T.astype(np.float64) + base, a, wref, base) <= TOL_F32
+    return (x.kernel, xs, get(ex, "hb", np.uint16, 2 * b * n), get(ex, "norm_part", np.float32, b * n // 16))
 
 
 @pytest.mark.parametrize("b", [1])

@@ -376,7 +376,7 @@ def test_streamed_gemv_where_whole_stages():
                 # (gate_up's stage loop unrolled over the ring: --gemv-ring-unroll, the default; below)
                 # (qkv with qkv_rope's work in its tail: --qkv-rope-tail, the default; test_qkv_rope_tail)
                 assert [x.kernel for x in layer0] == ["gemv_ring3_rope_nvfp4_nb1", "gemv_ringx_nvfp4_nb1",
-                                                      "gemv_ringxr_gated_nvfp4_nb1", "gemv_ringx_nvfp4_nb1"]
+                                                      "gemv_ringxr_gated_nvfp4_nb1", "gemv_ringxr_nvfp4_nb1"]
                 assert [x.smem for x in layer0] == [55296, 73728 + 8448, 73728 + 16640, 73728 + 24832]
                 continue
             assert [x.kernel for x in layer0] == [f"gemv_ring3_nvfp4_{nb}", f"gemv_ring_nvfp4_{nb}",
@@ -386,7 +386,8 @@ def test_streamed_gemv_where_whole_stages():
             assert prog.kernel_smem["gemv_ring_nvfp4_nb8"] == 73728
             assert prog.kernel_smem["gemv_ringxr_gated_nvfp4_nb1"] == 73728 + 16640
     # --gemv-ring-unroll: the one-row gate_up (K range 1024 a warp: 4 stages, one revolution of the ring) on
-    # gemv_ringxr_gated_*, the same grid, shared memory and arguments; every other launch of every phase unchanged
+    # gemv_ringxr_gated_*, and down (K range 1536: 6 stages, 256 tiles on 256 blocks, one each) on gemv_ringxr_*, the
+    # same grid, shared memory and arguments; every other launch of every phase (o on gemv_ringx_* too) unchanged
     t = load_target("sm_90a")
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
     base = build_program(spec, formats, t, plan, ProgramOptions(gemv_ring_unroll=False), None)
@@ -395,13 +396,15 @@ def test_streamed_gemv_where_whole_stages():
     for pa, pb in zip(base.phases, unrolled.phases):
         assert (pa.phase, pa.tokens, len(pa.launches)) == (pb.phase, pb.tokens, len(pb.launches))
         for xa, xb in zip(pa.launches, pb.launches):
-            if xa.kernel == "gemv_ringx_gated_nvfp4_nb1":
-                assert xb.kernel == "gemv_ringxr_gated_nvfp4_nb1"
+            down = xa.kernel == "gemv_ringx_nvfp4_nb1" and xa.args[1]["ptr"].endswith(".down.codes")
+            if xa.kernel == "gemv_ringx_gated_nvfp4_nb1" or down:
+                assert xb.kernel == ("gemv_ringxr_nvfp4_nb1" if down else "gemv_ringxr_gated_nvfp4_nb1")
                 assert (xa.grid, xa.block, xa.smem, xa.args, xa.pdl) == (xb.grid, xb.block, xb.smem, xb.args, xb.pdl)
+                assert not down or xa.grid[0] == 256
                 changed += 1
             else:
                 assert xa == xb
-    assert changed == spec.n_layers                # one gate_up a layer, in the one-row decode phase only
+    assert changed == 2 * spec.n_layers            # gate_up and down a layer, in the one-row decode phase only
     assert unrolled.kernel_smem["gemv_ringxr_gated_nvfp4_nb1"] == 73728 + 16640
     # SmolLM2's shape (hidden 576, intermediate 1536): K of 576 and 1536 is whole stages nowhere, so the per-block GEMV
     from imp_runtime.spec import ModelSpec

@@ -77,6 +77,8 @@ def test_templates_compile(shape, target):
     qkv_epilogue = {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) and target == "sm_90a" else set()
     sm90 |= qkv_epilogue                # (the qkv GEMM with q / k norm, RoPE and the KV append: heads of 64 / 128)
     bf16w = {"gemv_bf16w_nb1"} if spec.hidden <= SMALL_HEAD_K else set()   # a bf16 head of small K at one row
+    if spec.intermediate % 2048 == 0 and 3 <= spec.intermediate // 2048 <= 8:
+        sm90.add("gemv_ringxr_nvfp4_nb1")   # one-row down's loop unrolled over its tile's stages (the 8B shape's)
     assert symbols == set(EXPECTED) | bf16w | (sm90 if target == "sm_90a" else set())
     formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
