@@ -93,10 +93,10 @@ def _add_compile(sub) -> None:
                         "bf16 projections), as NVFP4 ones have it, instead of a launch before them (default on; "
                         "BENCHMARKS.md: SmolLM2 shape all bf16, b1 +6.4%%); --no-norm-prologue-bf16 keeps the launch")
     p.add_argument("--gemv-ring-unroll", action=argparse.BooleanOptionalAction, default=True,
-                   help="Hopper decode at one row: gate_up's streamed GEMV with its stage loop unrolled over the ring "
-                        "where a tile is one revolution of it (constant slots and offsets; the same bits; default on: "
-                        "8B shape b1 +0.6%%, BENCHMARKS.md thirty-third session); --no-gemv-ring-unroll keeps the "
-                        "rolled loop")
+                   help="Hopper decode at one row: gate_up's and down's streamed GEMVs with their stage loops "
+                        "unrolled over a tile where it is one revolution of the ring (gate_up) or a block's one tile "
+                        "(down) (constant slots and offsets; the same bits; default on: 8B shape b1 +0.6%% and +0.9%%, "
+                        "BENCHMARKS.md thirty-third session); --no-gemv-ring-unroll keeps the rolled loops")
     p.add_argument("--qkv-rope-tail", action=argparse.BooleanOptionalAction, default=True,
                    help="Hopper decode at one row where the qkv projection runs the three-blocks-an-SM streamed GEMV "
                         "(the 8B shape): q/k norm, RoPE and the paged KV write in that launch's tail, one launch a "

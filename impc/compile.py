@@ -57,7 +57,7 @@ class CompileOptions:
     norm_partials: bool = True       # Hopper decode at 1-4 rows: the same norm as partial sums in the streamed GEMVs
     prefill_qkv_epilogue: bool = False  # Hopper prefill: q / k norm, RoPE and the KV append in the qkv GEMM's epilogue
     norm_prologue_bf16: bool = True     # one-row decode: the norm in bf16 GEMVs' prologue too (impc/launches.py)
-    gemv_ring_unroll: bool = True       # Hopper decode: gate_up's ring loop unrolled (impc/launch_linear.py; b1 +0.6%)
+    gemv_ring_unroll: bool = True       # Hopper decode: gate_up's and down's ring loops unrolled (impc/launch_linear.py)
     qkv_rope_tail: bool = True          # Hopper decode: qkv_rope's work in the streamed qkv GEMV's tail (launch_linear.py)
 
     def __post_init__(self):

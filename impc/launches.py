@@ -54,9 +54,9 @@ class ProgramOptions:
                                       # GEMM), tiles (the per-tile one) or cutlass (CUTLASS's, plain and residual GEMMs: cutlass.py)
     norm_prologue_bf16: bool = True   # one-row decode: the RMSNorm in the prologue of bf16 GEMVs too (launch_linear.py
                                       # norm_fused; SmolLM2 shape all bf16 b1 +6.4%, BENCHMARKS.md)
-    gemv_ring_unroll: bool = True     # Hopper one-row decode: gate_up's streamed GEMV, its stage loop unrolled over
-                                      # the ring where a tile is one revolution (launch_linear.py gemv_launch; 8B
-                                      # shape b1 +0.6%, BENCHMARKS.md)
+    gemv_ring_unroll: bool = True     # Hopper one-row decode: gate_up's and down's streamed GEMVs, their stage loops
+                                      # unrolled over a tile (launch_linear.py gemv_launch; 8B shape b1 +0.6% and
+                                      # +0.9%, BENCHMARKS.md)
     qkv_rope_tail: bool = True        # Hopper one-row decode where qkv runs gemv_ring3_*: q/k norm, RoPE and the KV
                                       # append in its launch's tail (launch_linear.py rope_tail_ok), no qkv_rope launch
 
