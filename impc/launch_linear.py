@@ -507,8 +507,8 @@ class LinearLaunches:
         if gated:
             rev = self.opt.gemv_ring_unroll and stages == GR_STAGES
         else:
-            rev = (self.opt.gemv_ring_unroll and lin.k == self.spec.intermediate and stages in range(3, 9)
-                   and tiles <= GR_BLOCKS * self.sm_count)
+            rev = (self.opt.gemv_ring_unroll and lin.k == self.spec.intermediate and stages.is_integer()
+                   and 3 <= stages <= 8 and tiles <= GR_BLOCKS * self.sm_count)
         ringx = "ringxr" if rev else "ringx"
         ring3 = not gated and nb <= 4 and GR_BLOCKS * self.sm_count < tiles <= GR3_BLOCKS * self.sm_count
         if nb == 1 and not ring3:

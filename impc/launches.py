@@ -118,7 +118,7 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
     if not options.prefill_qkv_epilogue and target["compute_capability"][0] == 9 and spec.head_dim in (64, 128):
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
     if target["compute_capability"][0] == 9 and (rope_in_attention or not options.qkv_rope_tail):
-        out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2 leaves out every NB on the first's name)
+        out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2: the qkv GEMV's rope tail, one row)
     if not options.norm_prologue_bf16:
         out |= {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}   # (templates/gemv.cu.j2: not with the option off)
     return frozenset(out)
