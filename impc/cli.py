@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_compile(a) -> int:
+    import dataclasses
+
     from impc.compile import CompileOptions, compile_model
+    from impc.launches import ProgramOptions
     from impc.progress import Progress
 
     if (a.model is None) == (a.synthetic is None):
@@ -179,14 +182,9 @@ def cmd_compile(a) -> int:
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
-                          name=a.name,
-                          gemv_max_rows=a.gemv_max_rows, pdl=a.pdl, prefill_split_k=a.prefill_split_k,
-                          prefill_weights=a.prefill_weights, decode_gemm=a.decode_gemm,
-                          gpu_penalties=a.gpu_penalties, prefill_attention=a.prefill_attention,
-                          prefill_gemm=a.prefill_gemm, rope_in_attention=a.rope_in_attention,
-                          norm_tail=a.norm_tail, norm_partials=a.norm_partials,
-                          norm_prologue_bf16=a.norm_prologue_bf16, prefill_qkv_epilogue=a.prefill_qkv_epilogue,
-                          gemv_ring_unroll=a.gemv_ring_unroll, qkv_rope_tail=a.qkv_rope_tail)
+                          name=a.name, prefill_weights=a.prefill_weights,
+                          # the launch program's options: each ProgramOptions field from the flag of its name
+                          **{f.name: getattr(a, f.name) for f in dataclasses.fields(ProgramOptions)})
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -172,6 +172,14 @@ def dot_rel(got, ref, a, w, base=None) -> float:
 # ------------------------------------------------------------------ linear layers
 
 
+def rope_tail_slots(ex, x, rows: int) -> None:
+    """A qkv GEMV with the rope tail (gemv_ring3_rope_*) writes q and the KV pages at the step's positions and slots:
+    give its rows position 0 and slots 0..rows-1 in the pool (test_decode_gemv_rope_tail checks what it writes)."""
+    if "_rope_" in x.kernel:
+        put(ex, "positions", np.zeros(rows, np.int32))
+        put(ex, "kv_slots", np.arange(rows, dtype=np.int32))
+
+
 def check_linear(ex, phase: str, tokens: int, index: int, x, m: int, rng, env: dict) -> None:
     """A GEMV or GEMM launch: out[m, N] (= | +=) a[m, K] @ W^T, with the activation format it reads."""
     from imp_runtime.activation_formats import gfmt
@@ -289,9 +297,7 @@ def test_decode_gemv(ex, b):
         if x.kernel.startswith("gemv_") and "gated" not in x.kernel and "_norm_" not in x.kernel \
                 and (x.kernel, scalar(x, 5 + nw)) not in seen:
             seen.add((x.kernel, scalar(x, 5 + nw)))
-            if "_rope_" in x.kernel:       # its tail writes q and the KV pages at the step's slots (own test below)
-                put(ex, "positions", np.zeros(b, np.int32))
-                put(ex, "kv_slots", np.arange(b, dtype=np.int32))
+            rope_tail_slots(ex, x, b)
             check_linear(ex, "decode", b, i, x, b, rng, {})
     if not seen:
         pytest.skip(f"decode {b} runs the GEMM (above the GEMV's rows)")
@@ -641,9 +647,7 @@ def test_decode_gemv_norm_partials(ex8b, b):
         nr, kr = scalar(xr, 5), scalar(xr, 6)
         wr = random_weights(ex, xr, [1, 2, 3], nr, kr, rng)
         poison(ex, buf(xr, 4))
-        if "_rope_" in xr.kernel:          # (its tail writes q and the KV pages at the step's slots)
-            put(ex, "positions", np.zeros(b, np.int32))
-            put(ex, "kv_slots", np.arange(b, dtype=np.int32))
+        rope_tail_slots(ex, xr, b)
         run(ex, "decode", b, ir)
         # (the reader multiplies the hi plane of x * w, scaled by the row's rms from the float32 partials)
         xd = xs.astype(np.float64)
