@@ -184,7 +184,8 @@ def cmd_compile(a) -> int:
                           max_context=a.max_context, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
                           name=a.name, prefill_weights=a.prefill_weights,
                           # the launch program's options: each ProgramOptions field from the flag of its name
-                          **{f.name: getattr(a, f.name) for f in dataclasses.fields(ProgramOptions)})
+                          program=ProgramOptions(**{f.name: getattr(a, f.name)
+                                                    for f in dataclasses.fields(ProgramOptions)}))
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -42,23 +42,9 @@ class CompileOptions:
     max_batch: int = 64
     prefill_chunk: int | None = None   # most prompt tokens one prefill call takes (None: the target's)
     name: str | None = None          # served model name (default: the checkpoint's file or folder name)
-    gemv_max_rows: int | None = None   # decode batches up to this many rows run the GEMV, larger the GEMM (None:
-                                       # by the shape, impc/launch_linear.py)
-    pdl: bool = True                 # programmatic dependent launch in the decode graphs
-    prefill_split_k: bool = False    # atomic split-K in prefill GEMMs (not bitwise reproducible)
     prefill_weights: str = "auto"    # Hopper prefill's NVFP4 weights: auto | copy | dequant (impc/arena_layout.py)
-    decode_gemm: str = "nvfp4"       # Hopper decode batches past the GEMV: NVFP4 as stored | the fp16 copies
-    gpu_penalties: bool = True       # repetition / presence / frequency penalties on the GPU (impc/launches.py)
-    prefill_attention: str = "wgmma"  # Hopper prefill attention: wgmma | mma (mma.sync; impc/launches.py)
-    prefill_gemm: str = "auto"       # Hopper prefill GEMMs of the large chunks: auto (persistent ping-pong) | tiles
-    rope_in_attention: bool | None = None  # decode: q/k norm, RoPE and the KV append in the attention (None: by
-                                           # the shape, impc/launches.py ROPE_IN_ATTENTION_MAX_HEAD_DIM)
-    norm_tail: bool = True           # Hopper decode past the GEMV: the norm after o / down in their GEMM's tail
-    norm_partials: bool = True       # Hopper decode at 1-4 rows: the same norm as partial sums in the streamed GEMVs
-    prefill_qkv_epilogue: bool = False  # Hopper prefill: q / k norm, RoPE and the KV append in the qkv GEMM's epilogue
-    norm_prologue_bf16: bool = True     # one-row decode: the norm in bf16 GEMVs' prologue too (impc/launches.py)
-    gemv_ring_unroll: bool = True       # Hopper decode: gate_up's and down's ring loops unrolled (impc/launch_linear.py)
-    qkv_rope_tail: bool = True          # Hopper decode: qkv_rope's work in the streamed qkv GEMV's tail (launch_linear.py)
+    # the launch program's options (--gemv-max-rows, --pdl, ...: impc/launches.py ProgramOptions, one field each)
+    program: ProgramOptions = dataclasses.field(default_factory=ProgramOptions)
 
     def __post_init__(self):
         # --quant-head is --head-format nvfp4: each implies the other, and any other head format with it is refused
@@ -70,13 +56,9 @@ class CompileOptions:
         if self.head_format == "nvfp4":
             self.quant_head = True
 
-    def program_options(self) -> ProgramOptions:
-        """The options that shape the launch program: each ProgramOptions field, from the field of this name."""
-        return ProgramOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ProgramOptions)})
-
     def omitted_kernels(self, spec: ModelSpec, targets: list[dict]) -> dict[str, frozenset[str]]:
         """Per target, the kernels no program of these options launches (emit leaves them out of the cubin)."""
-        return {t["name"]: kernels_not_launched(spec, t, self.program_options()) for t in targets}
+        return {t["name"]: kernels_not_launched(spec, t, self.program) for t in targets}
 
 
 def tensor_formats(spec: ModelSpec, opts: CompileOptions) -> dict[str, str]:
@@ -155,7 +137,7 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
     plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights,
-                       opts.gpu_penalties, opts.prefill_chunk)
+                       opts.program.gpu_penalties, opts.prefill_chunk)
     for line in describe(plan):
         p.info(line)
     return formats, targets, plan
@@ -265,11 +247,11 @@ def program_stage(spec: ModelSpec, formats: dict[str, str], targets: list[dict],
     from imp_runtime.program import dumps
     files = {}
     for t, e in zip(targets, emitted):
-        prog = build_program(spec, formats, t, plan, opts.program_options(), set(e.kernels), seed)
+        prog = build_program(spec, formats, t, plan, opts.program, set(e.kernels), seed)
         step = prog.phase("decode", prog.buckets("decode")[0])
         p.info(f"{t['name']}: launch program, {len(step.launches)} launches a batch-1 decode step, "
                f"arena {prog.arena_bytes / 2**30:.2f} GiB ({prog.constants['kv_pages']} KV pages)")
-        if opts.prefill_gemm == "cutlass" and t["name"] == "sm_90a":
+        if opts.program.prefill_gemm == "cutlass" and t["name"] == "sm_90a":
             n = sum(x.kernel.startswith("cutlass_") for ph in prog.phases for x in ph.launches)
             p.info(f"{t['name']}: {n} prefill launches on CUTLASS's GEMM" if n else
                    f"{t['name']}: --prefill-gemm cutlass: no GEMM qualifies (bf16 weights in prefill phases past "
@@ -325,7 +307,7 @@ def build_manifest(opts: CompileOptions, spec: ModelSpec, formats: dict[str, str
                               "calib": Path(opts.calib).name if opts.calib else None, "budget": opts.budget, "targets": [e.target for e in emitted],
                               "vram_gib": opts.vram_gib, "max_context": opts.max_context,
                               "max_batch": opts.max_batch, "prefill_weights": opts.prefill_weights,
-                              **opts.program_options().to_dict(), **{k: v for k, v in extra.get("synthetic", {}).items()
+                              **opts.program.to_dict(), **{k: v for k, v in extra.get("synthetic", {}).items()
                                                               if k == "seed"}},
                   "compiler": compiler_record() if emitted else None,
                   "templates": template_hashes()},
@@ -352,7 +334,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
     from concurrent.futures import ThreadPoolExecutor
     if targets:
         nvcc_path()                   # a missing compiler is said now, not after quantization
-        if opts.prefill_gemm == "cutlass":
+        if opts.program.prefill_gemm == "cutlass":
             cutlass_root()            # ... and missing CUTLASS headers
     from impc.budget import background_priority
     from impc.quantize_calibrated import one_malloc_arena
@@ -365,7 +347,7 @@ def compile_model(opts: CompileOptions, progress: Progress | None = None) -> dic
         if q.formats != formats:
             formats, targets, plan = plan_stage(spec, opts, p, q.formats)
         arrays, quant = q.arrays, q.tensors
-        emitted = add_cutlass(emit_stage(spec, targets, plan, p, kernels.result()), opts.prefill_gemm, p)
+        emitted = add_cutlass(emit_stage(spec, targets, plan, p, kernels.result()), opts.program.prefill_gemm, p)
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p)
 
     p.stage(f"write {out}")

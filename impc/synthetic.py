@@ -56,7 +56,7 @@ def compile_synthetic(config_path: str | Path, opts: CompileOptions, seed: int =
     if not targets:
         raise CompileError("a synthetic bundle needs a GPU target (its weights are generated on the GPU)")
     emitted = add_cutlass(emit_stage(spec, targets, plan, p, emit(spec, targets, plan, opts.omitted_kernels(spec, targets))),
-                          opts.prefill_gemm, p)
+                          opts.program.prefill_gemm, p)
     programs = program_stage(spec, formats, targets, plan, emitted, opts, p, seed=int(seed))
     quant = {name: {"format": formats[name], "shape": list(shape)} for name, shape in spec.tensor_shapes().items()}
     tokenizer = {"file": "tokenizer.json", "chat_template": None, "bos_token": "<s>", "eos_token": "</s>",

@@ -50,6 +50,7 @@ TARGET = os.environ.get("IMP_GPU_TARGET", "sm_90a")
 
 def build(names: list[str]) -> None:
     from impc.compile import CompileOptions, compile_model
+    from impc.launches import ProgramOptions
     from impc.synthetic import compile_synthetic
 
     for name in names:
@@ -66,18 +67,20 @@ def build(names: list[str]) -> None:
                                              head_format="int8" if name.endswith("-i8")
                                              else "nvfp4" if name.endswith("-qe") else "bf16",
                                              prefill_weights="dequant" if name == "llama" else "auto",
-                                             gemv_max_rows=GEMV_MAX_ROWS.get(name),
-                                             gpu_penalties=name.endswith("-pen"),
-                                             rope_in_attention=name.endswith("-rope"),
-                                             prefill_qkv_epilogue=name.endswith("-qkvepi"),
-                                             norm_prologue_bf16=not name.endswith("-np"),
-                                             prefill_gemm="cutlass" if name.endswith("-cutlass") else "auto"))
+                                             program=ProgramOptions(
+                                                 gemv_max_rows=GEMV_MAX_ROWS.get(name),
+                                                 gpu_penalties=name.endswith("-pen"),
+                                                 rope_in_attention=name.endswith("-rope"),
+                                                 prefill_qkv_epilogue=name.endswith("-qkvepi"),
+                                                 norm_prologue_bf16=not name.endswith("-np"),
+                                                 prefill_gemm="cutlass" if name.endswith("-cutlass") else "auto")))
         elif name in SYNTHETIC:
             compile_synthetic(ROOT / SYNTHETIC[name], CompileOptions(model="", out=out, targets=TARGET, max_context=8192,
                                                                      max_batch=64, vram_gib=VRAM_GIB,
-                                                                     gemv_max_rows=GEMV_MAX_ROWS.get(name),
-                                                                     gemv_ring_unroll=not name.endswith("-rolled"),
-                                                                     gpu_penalties=False), seed=1)
+                                                                     program=ProgramOptions(
+                                                                         gemv_max_rows=GEMV_MAX_ROWS.get(name),
+                                                                         gemv_ring_unroll=not name.endswith("-rolled"),
+                                                                         gpu_penalties=False)), seed=1)
         else:
             raise ValueError(f"unknown GPU test bundle {name}")
         print(f"built {out}", file=sys.stderr)

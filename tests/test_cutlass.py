@@ -87,10 +87,11 @@ def test_program(cutlass, checkpoints, tmp_path):
     the CUTLASS kernel (gate_up too, into its float32 rows and the gated activation after it), the smaller phases and
     decode on imp's; the program validates; one descriptor past its buffer does not."""
     from impc.compile import CompileOptions, compile_model
+    from impc.launches import ProgramOptions
     from imp_runtime.bundle import load_bundle
     from imp_runtime.program import ProgramError, loads, validate
     compile_model(CompileOptions(model=str(checkpoints("llama")), out=tmp_path / "b", quant="bf16", targets="sm_90a",
-                                 max_context=512, vram_gib=2, prefill_gemm="cutlass"))
+                                 max_context=512, vram_gib=2, program=ProgramOptions(prefill_gemm="cutlass")))
     b = load_bundle(tmp_path / "b")
     kern = b.manifest["kernels"]
     assert kern["cutlass_cubins"] == {"sm_90a": "kernels/sm_90a.cutlass.cubin"}
@@ -166,10 +167,12 @@ def test_program_nvfp4(cutlass, checkpoints, tmp_path):
     """The NVFP4 tiny llama: qkv, o and down of the large phase on the scaled kernel over their fp16 copies and tensor
     scales, gate_up on imp's gated GEMM; the program validates."""
     from impc.compile import CompileOptions, compile_model
+    from impc.launches import ProgramOptions
     from imp_runtime.bundle import load_bundle
     from imp_runtime.program import loads, validate
     compile_model(CompileOptions(model=str(checkpoints("llama")), out=tmp_path / "b", targets="sm_90a",
-                                 max_context=512, vram_gib=2, prefill_gemm="cutlass", calibrate=False))
+                                 max_context=512, vram_gib=2, program=ProgramOptions(prefill_gemm="cutlass"),
+                                 calibrate=False))
     b = load_bundle(tmp_path / "b")
     prog = loads(b.file("program/sm_90a.json").read_text())
     big = max(prog.buckets("prefill"))
