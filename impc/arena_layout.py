@@ -142,7 +142,8 @@ def aligned(n: int) -> int:
 
 
 def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none", penalties: bool = False) -> list[tuple]:
+                  max_pages: int, page: int, kv_pages: int, wg_mode: str = "none", penalties: bool = False,
+                  pair_bar: bool = False) -> list[tuple]:
     """Every buffer of the arena in order: (name, kind, dtype, shape, bytes, values). Weights first (as the
     bundle stores them), then constants, block tables, step values, scratch, and the KV pool last."""
     out: list[tuple] = []
@@ -202,6 +203,8 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored
     n = spec.n_heads + 2 * spec.n_kv_heads
     out.append(("rope_count", "scratch", "i32", (n,), n * 4, None))
+    if pair_bar:    # --gemv-pair: the grid barrier of the launch doing down and the next qkv (templates/gemv_ring_pair.cu.j2)
+        out.append(("pair_bar", "scratch", "i32", (1,), 4, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):
         for kv in ("k", "v"):
@@ -211,10 +214,10 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
 
 
 def fixed_arena_bytes(spec: ModelSpec, formats: dict[str, str], rows: int, logit_rows: int, max_seqs: int,
-                      max_pages: int, wg_mode: str = "none", penalties: bool = False) -> int:
+                      max_pages: int, wg_mode: str = "none", penalties: bool = False, pair_bar: bool = False) -> int:
     """Bytes of the arena before the KV pool (the plan gives what is left to KV pages)."""
     return sum(aligned(e[4]) for e in arena_entries(spec, formats, rows, logit_rows, max_seqs, max_pages, 16, 0,
-                                                    wg_mode, penalties) if e[1] != "kv")
+                                                    wg_mode, penalties, pair_bar) if e[1] != "kv")
 
 
 def rope_variants(spec: ModelSpec) -> list[tuple]:

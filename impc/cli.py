@@ -101,6 +101,10 @@ def _add_compile(sub) -> None:
                    help="Hopper decode at one row where the qkv projection runs the three-blocks-an-SM streamed GEMV "
                         "(the 8B shape): q/k norm, RoPE and the paged KV write in that launch's tail, one launch a "
                         "layer fewer (default on: b1 +0.5%%); --no-qkv-rope-tail keeps the qkv_rope launch")
+    p.add_argument("--gemv-pair", action=argparse.BooleanOptionalAction, default=False,
+                   help="Hopper decode at one row where down runs its unrolled streamed GEMV and the next qkv the "
+                        "rope-tail one (the 8B shape): both in one launch with a grid barrier between, qkv's weights "
+                        "streaming under down's tail (off by default: not yet measured, BENCHMARKS.md)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "

@@ -137,7 +137,7 @@ def plan_stage(spec: ModelSpec, opts: CompileOptions, p: Progress,
     targets = parse_targets(opts.targets)
     p.stage("plan memory")
     plan = plan_memory(spec, formats, targets, opts.vram_gib, opts.max_context, opts.max_batch, opts.prefill_weights,
-                       opts.program.gpu_penalties, opts.prefill_chunk)
+                       opts.program.gpu_penalties, opts.prefill_chunk, opts.program.gemv_pair)
     for line in describe(plan):
         p.info(line)
     return formats, targets, plan

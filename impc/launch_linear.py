@@ -69,6 +69,21 @@ def split_k_buffers(splits: int, tiles: int, part: int) -> tuple[list[dict], lis
     return [ptr("wg_ws"), ptr("wg_flags")], [("wg_ws", part), ("wg_flags", tiles * 4)]
 
 
+def pair_shape(spec: ModelSpec) -> bool:
+    """Whether templates/gemv_ring_pair.cu.j2 renders gemv_ring_pair_nvfp4_nb1 for this shape (its condition): down's
+    K range 3 to 8 whole stages a warp (intermediate / 2048, the unrolled one-row down), qkv's two (hidden 4096), heads
+    of whole 16-row tiles (the rope tail)."""
+    return (spec.intermediate % 2048 == 0 and 3 <= spec.intermediate // 2048 <= 8 and spec.hidden % 2048 == 0
+            and spec.hidden // 2048 * 2 == GR_STAGES and spec.head_dim % 16 == 0)
+
+
+def pair_gated_shape(spec: ModelSpec) -> bool:
+    """Whether templates/gemv_ring_pair.cu.j2 renders gemv_ring_pair_gated_nvfp4_nb1: o's K range 1 to 8 whole stages a
+    warp (q_dim / 2048), gate_up's tile one revolution of the ring (hidden 4096)."""
+    return spec.q_dim % 2048 == 0 and 1 <= spec.q_dim // 2048 <= 8 and spec.hidden // 1024 == GR_STAGES \
+        and spec.hidden % 1024 == 0
+
+
 def wq_shape(spec: ModelSpec) -> bool:
     """Whether any layer linear of this shape can run gemm_wq (K a multiple of WQ_K: qkv and gate_up read the hidden
     size, o the query width; down only after a gate_up on it): the kernels are emitted only then (nvcc time)."""
@@ -460,6 +475,75 @@ class LinearLaunches:
         that launch, stays batch-invariant."""
         return (self.opt.qkv_rope_tail and kern == "gemv_ring3_nvfp4_nb1" and mode == 0
                 and lin.name.endswith(".qkv") and self.spec.head_dim % 16 == 0)
+
+    def pair_ok(self, down: _Lin, qkv: _Lin, nb: int, rope_in_attention: bool) -> bool:
+        """--gemv-pair: one row's down GEMV and the next layer's qkv GEMV in one launch (templates/gemv_ring_pair.cu.j2
+        gemv_ring_pair_nvfp4_nb1: qkv's weights stream into down's freed ring slots under its tail, a grid barrier
+        between them), where each would run alone as the 8B shape's do: down on the unrolled one-tile-a-block streamed
+        GEMV (gemv_ringxr_*, intermediate / 2048 stages a warp), qkv on ring3 with the rope tail (rope_tail_ok), two
+        stages a warp a tile (hidden 4096) so that two tiles a block are one revolution of the ring, the norm between
+        them as partial sums (ring_norm_ok), every qkv tile on a block of the grid of two an SM."""
+        if not (self.opt.gemv_pair and nb == 1 and not rope_in_attention and pair_shape(self.spec)
+                and self.ring_norm_ok(down, qkv, True, nb)):
+            return False
+        kd, grid, _ = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
+        kq, _, _ = self.gemv_launch("gemv_nvfp4_nb1", qkv, 1, qkv.n // 16)
+        bt = GR_STAGES // 2
+        return (kd == "gemv_ringxr_nvfp4_nb1" and self.rope_tail_ok(kq, qkv, 0) and self.ring_stages(qkv, False) == 2
+                and down.n // 16 <= GR_BLOCKS * self.sm_count and qkv.n // 16 <= bt * GR_BLOCKS * self.sm_count)
+
+    def linear_pair(self, e: _Emitter, i: int, down: _Lin, qkv: _Lin, norm: str, rope_inputs: list) -> None:
+        """Layer i's down (x += ab @ Wd^T, the next norm's planes in hb and partial sums in norm_part) and layer i + 1's
+        qkv (qkv = hb @ Wq^T scaled by the norm, q and layer i + 1's KV pages by its rope tail) in one launch at one
+        row (pair_ok): the two launches' arguments and bytes, and the grid barrier's count (pair_bar)."""
+        s, h = self.spec, self.spec.hidden
+        kern, _, smem = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
+        kern = "gemv_ring_pair_nvfp4_nb1"
+        self.kernel_smem[kern] = smem
+        heads = s.n_heads + 2 * s.n_kv_heads
+        j = i + 1
+        reads = (down.reads() + [("ab", 2 * down.k * 2), ("x", h * 4), (norm, h * 4)] + qkv.reads()
+                 + [("hb", 2 * h * 2), ("norm_part", h // 16 * 4), ("positions", 4), ("kv_slots", 4),
+                    ("rope_count", heads * 4), ("pair_bar", 4)])
+        writes = [("x", h * 4), ("hb", 2 * h * 2), ("norm_part", h // 16 * 4), ("qkv", qkv.n * 4), ("q", s.q_dim * 2),
+                  (f"kv.{j}.k", s.kv_dim * 2), (f"kv.{j}.v", s.kv_dim * 2), ("rope_count", heads * 4), ("pair_bar", 4)]
+        e.add(kern, (GR_BLOCKS * self.sm_count,), (256,),
+              [ptr("ab"), *down.weight_args(), ptr("x"), i32(down.n), i32(down.k), ptr(norm), ptr("hb"),
+               ptr("norm_part"), *qkv.weight_args(), ptr("qkv"), i32(qkv.n), i32(qkv.k), *rope_inputs, ptr("q"),
+               ptr(f"kv.{j}.k"), ptr(f"kv.{j}.v"), ptr("rope_count"), ptr("pair_bar")],
+              reads, writes, smem=smem)
+
+    def pair_gated_ok(self, o: _Lin, gate_up: _Lin, nb: int) -> bool:
+        """--gemv-pair: one row's o GEMV and gate_up in one launch (templates/gemv_ring_pair.cu.j2
+        gemv_ring_pair_gated_nvfp4_nb1: gate_up's first stages issued before the grid-dependency wait, while the
+        attention runs, the next ones during o, a grid barrier between them), where each would run alone as the 8B
+        shape's do: o on the staged-activation streamed GEMV (gemv_ringx_*, a tile a block), gate_up on the unrolled
+        one (gemv_ringxr_gated_*, a tile one revolution of the ring), the norm between them as partial sums."""
+        if not (self.opt.gemv_pair and nb == 1 and pair_gated_shape(self.spec)
+                and self.ring_norm_ok(o, gate_up, True, nb)):
+            return False
+        ko, _, _ = self.gemv_launch("gemv_nvfp4_nb1", o, 1, o.n // 16)
+        kg, _, _ = self.gemv_launch("gemv_gated_nvfp4_nb1", gate_up, 1, gate_up.n // 32)
+        return (ko == "gemv_ringx_nvfp4_nb1" and kg == "gemv_ringxr_gated_nvfp4_nb1"
+                and self.ring_stages(o, False) == o.k // 2048 and o.n // 16 <= GR_BLOCKS * self.sm_count)
+
+    def linear_pair_gated(self, e: _Emitter, o: _Lin, gate_up: _Lin, norm: str, ofmt: int) -> None:
+        """o (x += attn @ Wo^T, the next norm's planes in hb and partial sums in norm_part) and gate_up (ab = act(gate) *
+        up of hb @ Wg^T scaled by the norm, in activation format ofmt) in one launch at one row (pair_gated_ok): the
+        two launches' arguments and bytes, and the grid barrier's count (pair_bar)."""
+        h, m = self.spec.hidden, 1
+        kern = "gemv_ring_pair_gated_nvfp4_nb1"
+        smem = max(self.gemv_launch("gemv_nvfp4_nb1", o, 1, o.n // 16)[2],
+                   self.gemv_launch("gemv_gated_nvfp4_nb1", gate_up, 1, gate_up.n // 32)[2])
+        self.kernel_smem[kern] = smem
+        reads = (o.reads() + [("attn", 2 * m * o.k * 2), ("x", m * h * 4), (norm, h * 4)] + gate_up.reads()
+                 + [("hb", 2 * m * gate_up.k * 2), ("norm_part", m * h // 16 * 4), ("pair_bar", 4)])
+        writes = [("x", m * h * 4), ("hb", 2 * m * h * 2), ("norm_part", m * h // 16 * 4),
+                  ("ab", 2 * m * self.spec.intermediate * 2), ("pair_bar", 4)]
+        e.add(kern, (GR_BLOCKS * self.sm_count,), (256,),
+              [ptr("attn"), *o.weight_args(), ptr("x"), i32(o.n), i32(o.k), ptr(norm), ptr("hb"), ptr("norm_part"),
+               *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(ofmt), ptr("pair_bar")],
+              reads, writes, smem=smem)
 
     def ring_ok(self, lin: _Lin, nb: int, gated: bool = False) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the

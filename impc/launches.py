@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, HOST_IO_WORDS, MAX_SEGMENTS, STEP_PACK_SKIP, WG_SMALL_CHUNK,
                                aligned, arena_entries, attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
 from impc.errors import CompileError
-from impc.launch_linear import WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, ptr, rows_div, wq_shape
+from impc.launch_linear import (WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, pair_gated_shape,
+                                 pair_shape, ptr, rows_div, wq_shape)
 from imp_runtime.activation_formats import GEMV_NB, XF_BF16, XF_F16, XF_F16W, gfmt, xfmt
 from imp_runtime.nvfp4 import BLOCK
 from imp_runtime.program import Buffer, Phase, Program, validate
@@ -59,6 +60,9 @@ class ProgramOptions:
                                       # +0.9%, BENCHMARKS.md)
     qkv_rope_tail: bool = True        # Hopper one-row decode where qkv runs gemv_ring3_*: q/k norm, RoPE and the KV
                                       # append in its launch's tail (launch_linear.py rope_tail_ok), no qkv_rope launch
+    gemv_pair: bool = False           # Hopper one-row decode: down and the next layer's qkv in one launch, qkv's
+                                      # weights streaming under down's tail (launch_linear.py pair_ok; not yet
+                                      # measured on a GPU: off by default)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,6 +123,10 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
     if target["compute_capability"][0] == 9 and (rope_in_attention or not options.qkv_rope_tail):
         out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2: the qkv GEMV's rope tail, one row)
+    if target["compute_capability"][0] == 9 and not options.gemv_pair:
+        # (templates/gemv_ring_pair.cu.j2, by the shape: down and the next qkv, o and gate_up, at one row)
+        out |= {k for k, ok in (("gemv_ring_pair_nvfp4_nb1", pair_shape(spec)),
+                                ("gemv_ring_pair_gated_nvfp4_nb1", pair_gated_shape(spec))) if ok}
     if not options.norm_prologue_bf16:
         out |= {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}   # (templates/gemv.cu.j2: not with the option off)
     return frozenset(out)
@@ -189,7 +197,7 @@ class ProgramBuilder(LinearLaunches):
         offset = 0
         for name, kind, dtype, shape, nbytes, values in arena_entries(
                 self.spec, self.formats, self.R, self.MB, self.max_seqs, self.max_pages, self.page, self.kv_pages,
-                self.wg_mode, self.opt.gpu_penalties):
+                self.wg_mode, self.opt.gpu_penalties, self.opt.gemv_pair):
             self.buffers[name] = Buffer(name, offset, int(nbytes), dtype, tuple(int(x) for x in shape), kind, values)
             offset += aligned(nbytes)
         self.arena_bytes = offset
@@ -244,11 +252,14 @@ class ProgramBuilder(LinearLaunches):
             return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
         normed = False           # hb holds this layer's attention norm (the previous down launch's tail)
         scaled = False           # ... or x * w, its partial sums in norm_part (the previous down GEMV: ring_norm_ok)
+        paired = False           # this layer's qkv (and its rope) ran in the previous down's launch (pair_ok)
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
             fused = self.qkv_epilogue_ok(qkv, dec)     # q / k norm, RoPE and the KV append in the qkv GEMM
-            if self.norm_fused(qkv, dec, nb):
+            if paired:
+                fused, paired = True, False
+            elif self.norm_fused(qkv, dec, nb):
                 self.gemv_norm(e, p + "attn_norm", qkv, "qkv", 0, gated=False)
             else:
                 if not (normed or scaled):
@@ -266,6 +277,7 @@ class ProgramBuilder(LinearLaunches):
                       [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)])
             window = s.sliding_window if s.kind(i) == "sliding" else 0
             attention(e, i, window, fmt(o))
+            gpaired = False          # o's launch did gate_up too (pair_gated_ok)
             if s.sandwich_norm:
                 self.linear(e, "attn", o, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
@@ -275,9 +287,16 @@ class ProgramBuilder(LinearLaunches):
                 # where both run the ring GEMV (ring_norm_ok)
                 normed = self.wq_norm_tail_ok(o, gate_up)
                 scaled = self.ring_norm_ok(o, gate_up, dec, nb)
-                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None,
-                            partial_norm=p + "ffn_norm" if scaled else None)
-            if self.norm_fused(gate_up, dec, nb):
+                # ... or with gate_up in its launch (--gemv-pair)
+                gpaired = dec and self.pair_gated_ok(o, gate_up, nb)
+                if gpaired:
+                    self.linear_pair_gated(e, o, gate_up, p + "ffn_norm", xfmt(down.fmt))
+                else:
+                    self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None,
+                                partial_norm=p + "ffn_norm" if scaled else None)
+            if gpaired:
+                pass                     # (gate_up ran in o's launch)
+            elif self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
             elif dec:
                 if not scaled:
@@ -313,9 +332,14 @@ class ProgramBuilder(LinearLaunches):
                 nxt = self.lin(f"layers.{i + 1}.qkv") if i + 1 < s.n_layers else None
                 normed = nxt is not None and self.wq_norm_tail_ok(down, nxt)
                 scaled = nxt is not None and self.ring_norm_ok(down, nxt, dec, nb)
-                self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
-                            norm=f"layers.{i + 1}.attn_norm" if normed else None,
-                            partial_norm=f"layers.{i + 1}.attn_norm" if scaled else None)
+                # ... or with the next layer's qkv in its launch (--gemv-pair)
+                paired = dec and nxt is not None and self.pair_ok(down, nxt, nb, rope_in_attention)
+                if paired:
+                    self.linear_pair(e, i, down, nxt, f"layers.{i + 1}.attn_norm", self.rope_inputs(i + 1))
+                else:
+                    self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
+                                norm=f"layers.{i + 1}.attn_norm" if normed else None,
+                                partial_norm=f"layers.{i + 1}.attn_norm" if scaled else None)
 
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
@@ -515,8 +539,8 @@ class ProgramBuilder(LinearLaunches):
         # decode attention's per-(sequence, kv head) block counters start at 0 (each launch leaves them at 0)
         n = self.buffers["attn_counts"].shape[0] * self.buffers["attn_counts"].shape[1]
         e.add("fill_f32", (1,), (256,), [ptr("attn_counts"), {"u64": n}, {"f32": 0.0}], [], [("attn_counts", n * 4)])
-        for name in ("wg_flags", "norm_count", "rope_count"):   # split-K turn flags, the norm tail's and the rope
-            # tail's counts start at 0
+        for name in ("wg_flags", "norm_count", "rope_count", "pair_bar"):   # split-K turn flags, the norm tail's,
+            # the rope tail's and the pair GEMV's barrier counts start at 0
             if name in self.buffers:
                 n = self.buffers[name].shape[0]
                 e.add("fill_f32", (1,), (256,), [ptr(name), {"u64": n}, {"f32": 0.0}], [], [(name, n * 4)])

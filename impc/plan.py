@@ -47,10 +47,11 @@ def fmt_gib(n: float) -> str:
 
 def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], vram_gib: float | None,
                 max_context: int | None, max_batch: int, prefill_weights: str = "auto",
-                gpu_penalties: bool = True, prefill_chunk: int | None = None) -> dict:
+                gpu_penalties: bool = True, prefill_chunk: int | None = None, gemv_pair: bool = False) -> dict:
     """The device arena of each target: weights, scratch and step buffers (impc/arena_layout.py lays them out),
     and every remaining byte of the target's memory, less a reserve, as KV pages. prefill_chunk: the most prompt
-    tokens one prefill call takes (None: the target's; at most the context either way)."""
+    tokens one prefill call takes (None: the target's; at most the context either way). gpu_penalties, gemv_pair:
+    the program options that add buffers."""
     from impc.arena_layout import fixed_arena_bytes, penalty_tables, prefill_weights_mode, rows_for
     if max_batch < 1:
         raise CompileError("--max-batch must be at least 1")
@@ -82,7 +83,7 @@ def plan_memory(spec: ModelSpec, formats: dict[str, str], targets: list[dict], v
             """(fixed arena bytes, KV pages) of a plan whose prefill calls take up to `chunk` prompt tokens."""
             rows, logit_rows = rows_for(chunk, max_batch)
             fixed = fixed_arena_bytes(spec, formats, rows, logit_rows, plan["max_sequences"], max_pages, wg_mode,
-                                      gpu_penalties)
+                                      gpu_penalties, gemv_pair)
             budget = vram - RESERVE_BYTES - fixed - 2 * spec.n_layers * 256     # 256: each KV buffer's alignment
             return fixed, max(budget, 0) // page_bytes
 

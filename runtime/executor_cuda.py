@@ -61,6 +61,18 @@ def norm_tail_rows(program) -> int:
     return max(rows, default=0)
 
 
+# blocks an SM a launch with a grid-wide barrier holds at once (gemv_ring_pair: launch bounds of two, 108 KB of shared
+# memory a block; impc/launch_linear.py GR_BLOCKS)
+BARRIER_BLOCKS_PER_SM = 2
+
+
+def barrier_grid(program) -> int:
+    """The largest grid of a launch whose blocks wait for each other (gemv_ring_pair_*, --gemv-pair: a grid-wide
+    barrier, so every block must be resident at once), or 0 where none does."""
+    return max((x.grid[0] for ph in program.phases for x in ph.launches if any(b == "pair_bar" for b, _ in x.writes)),
+               default=0)
+
+
 class CudaExecutor:
     name = "cuda"
     async_decode = True                 # decode_submit returns once the step is queued
@@ -92,6 +104,11 @@ class CudaExecutor:
             raise BundleError(f"{bundle.path}: its decode GEMM norms a row a block once all its blocks have finished "
                               f"(the norm tail), at up to {need} rows: that needs more than {need} SMs, and this GPU "
                               f"({self.gpu_name}) has {sms}; rebuild with `impc compile ... --no-norm-tail`")
+        grid = barrier_grid(p)
+        if grid > BARRIER_BLOCKS_PER_SM * sms:
+            raise BundleError(f"{bundle.path}: its decode step runs a launch of {grid} blocks that wait for each other "
+                              f"(--gemv-pair), {BARRIER_BLOCKS_PER_SM} an SM, and this GPU ({self.gpu_name}) has {sms} "
+                              f"SMs; rebuild with `impc compile ... --no-gemv-pair`")
         c = p.constants
         self.page_size, self.num_pages, self.max_pages = c["page_size"], c["kv_pages"], c["max_pages"]
         self.max_batch, self.max_context, self.prefill_chunk = c["max_batch"], c["max_context"], c["prefill_chunk"]

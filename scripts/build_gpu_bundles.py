@@ -31,7 +31,8 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
 # of its table (--head-format int8 on a tied model)
 # llama-mixed: calibrated, the byte budget keeps some tensors in bf16; qwen3-wide: every decode batch (1..64) on
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
-GEMV_MAX_ROWS = {"qwen3-wide": 0, "qwen3-wide-i8": 0, "syn-qwen3-8b-2l": 8, "syn-qwen3-8b-2l-rolled": 8}
+GEMV_MAX_ROWS = {"qwen3-wide": 0, "qwen3-wide-i8": 0, "syn-qwen3-8b-2l": 8, "syn-qwen3-8b-2l-rolled": 8,
+                 "syn-qwen3-8b-2l-pair": 8}
 # syn-qwen3-8b-2l: the 8B shape's streamed GEMVs at every row count they serve, 1-8 (8 rows: the default where hidden
 # < 4096, e.g. Qwen3-1.7B's; the 8B's own default is 4, its 8 rows on the GEMM, tested on qwen3-wide)
 # qwen3-wide-i8: qwen3-wide untied, its head INT8: with --gemv-max-rows 0 the head on the INT8 GEMM at every batch too
@@ -44,7 +45,9 @@ SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "
              # the Qwen3-8B shape's layers (2 of them): its decode GEMVs' kernels (gemv_ring3_* for qkv)
              "syn-qwen3-8b-2l": "tests/data/qwen3-8b-2layers.json",
              # ... with --no-gemv-ring-unroll (one-row gate_up on the rolled gemv_ringx_gated_*)
-             "syn-qwen3-8b-2l-rolled": "tests/data/qwen3-8b-2layers.json"}
+             "syn-qwen3-8b-2l-rolled": "tests/data/qwen3-8b-2layers.json",
+             # ... with --gemv-pair (one row's down and the next qkv in one launch)
+             "syn-qwen3-8b-2l-pair": "tests/data/qwen3-8b-2layers.json"}
 TARGET = os.environ.get("IMP_GPU_TARGET", "sm_90a")
 
 
@@ -80,6 +83,7 @@ def build(names: list[str]) -> None:
                                                                      program=ProgramOptions(
                                                                          gemv_max_rows=GEMV_MAX_ROWS.get(name),
                                                                          gemv_ring_unroll=not name.endswith("-rolled"),
+                                                                         gemv_pair=name.endswith("-pair"),
                                                                          gpu_penalties=False)), seed=1)
         else:
             raise ValueError(f"unknown GPU test bundle {name}")

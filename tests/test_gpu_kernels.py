@@ -603,6 +603,131 @@ def test_decode_gemv_rope_tail(ex8b, b):
         assert np.array_equal(want, got), f"{c}: not qkv_rope_cache_f16's bits"
 
 
+def pair_outputs(ex, na: int, nq: int, slot: int) -> list[tuple[str, np.ndarray]]:
+    """What layer 0's down and layer 1's qkv write at one row: x, the next norm's planes and partial sums, the qkv rows,
+    q and layer 1's new key and value rows (at KV slot `slot`)."""
+    s = ex.spec
+    return [("x", get(ex, "x", np.float32, na)), ("hb", get(ex, "hb", np.uint16, 2 * na)),
+            ("norm_part", get(ex, "norm_part", np.float32, na // 16)), ("qkv", get(ex, "qkv", np.float32, nq)),
+            ("q", get(ex, "q", np.uint16, s.q_dim)), ("kv.1.k", read_kv_slot(ex, "kv.1.k", slot)),
+            ("kv.1.v", read_kv_slot(ex, "kv.1.v", slot))]
+
+
+def test_decode_gemv_pair(ex8b):
+    """--gemv-pair (templates/gemv_ring_pair.cu.j2 gemv_ring_pair_nvfp4_nb1): layer 0's down and layer 1's qkv at one
+    row in one launch, a grid barrier between, on random weights, activation, residual, norm and q / k norm weights,
+    position and KV slot: x against float64 products (down_case's oracle), and every output (x, the norm's planes and
+    partial sums, the qkv rows, q, the new key and value) bit for bit what the two launches it replaces write from the
+    same inputs (the default bundle's gemv_ringxr_nvfp4_nb1 and gemv_ring3_rope_nvfp4_nb1, each held to float64 and
+    qkv_rope_cache_f16 by the tests above); its barrier count and the heads' counts back at 0, so a second launch
+    writes the same."""
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-pair")), use_graphs=False)
+    try:
+        s = ex.spec
+        i, x = find(ex, "decode", 1, "gemv_ring_pair_nvfp4")
+        assert [buf(x, c) for c in (0, 4, 8, 9, 13, 22, 23, 24, 25, 26)] == [
+            "ab", "x", "hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v", "rope_count", "pair_bar"]
+        na, ka, nq, kq = scalar(x, 5), scalar(x, 6), scalar(x, 14), scalar(x, 15)
+        rng = np.random.default_rng(170)
+        wd = random_weights(ex, x, [1, 2, 3], na, ka, rng)
+        a = put_activation(ex, "ab", (rng.standard_normal((1, ka)) * 0.5).astype(np.float32), XF_F16X2_HI)
+        base = (rng.standard_normal((1, na)) * 3).astype(np.float32)
+        put(ex, "x", base)
+        put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
+        random_weights(ex, x, [10, 11, 12], nq, kq, rng)
+        for c in (17, 18):                                   # q / k norm weights
+            put(ex, buf(x, c), rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32))
+        slot = ex.page_size + 3
+        put(ex, "positions", np.array([int(rng.integers(0, ex.max_context))], np.int32))
+        put(ex, "kv_slots", np.array([slot], np.int32))
+        inputs = {n: get(ex, n, np.uint8, ex.program.buffers[n].bytes)
+                  for n in [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12, 17, 18)] + ["positions", "kv_slots"]}
+        heads = s.n_heads + 2 * s.n_kv_heads
+        outs = []
+        for rep in range(2):
+            put(ex, "x", base)
+            for name in ("hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"):
+                poison(ex, name)
+            run(ex, "decode", 1, i)
+            outs.append(pair_outputs(ex, na, nq, slot))
+            assert get(ex, "pair_bar", np.int32, 1)[0] == 0, "the barrier's count left"
+            assert not get(ex, "rope_count", np.int32, heads).any(), "a head's count left"
+        for (name, u), (_, v) in zip(*outs):
+            assert np.array_equal(u, v), f"{name}: a second launch wrote other values"
+        xs = outs[0][0][1].reshape(1, na)
+        assert dot_rel(xs, a.astype(np.float64) @ wd.T.astype(np.float64) + base, a, wd, base) <= TOL_F32
+        # the two launches it replaces (the default bundle of the same shape), on the same inputs
+        for name, v in inputs.items():
+            put(ex8b, name, v)
+        for name in ("hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"):
+            poison(ex8b, name)
+        launches = list(enumerate(ex8b.program.phase("decode", 1).launches))
+        jd = next(j for j, y in launches if y.kernel == "gemv_ringxr_nvfp4_nb1" and buf(y, 1) == "layers.0.down.codes")
+        jq = next(j for j, y in launches if y.kernel == "gemv_ring3_rope_nvfp4_nb1" and buf(y, 1) == "layers.1.qkv.codes")
+        run(ex8b, "decode", 1, jd)
+        run(ex8b, "decode", 1, jq)
+        for (name, got), (_, want) in zip(outs[0], pair_outputs(ex8b, na, nq, slot)):
+            assert np.array_equal(got, want), f"{name}: not the bits of the two launches it replaces"
+    finally:
+        ex.close()
+
+
+def test_decode_gemv_pair_gated(ex8b):
+    """--gemv-pair's other launch (templates/gemv_ring_pair.cu.j2 gemv_ring_pair_gated_nvfp4_nb1): layer 0's o and
+    gate_up at one row in one launch, gate_up's first stages issued before the grid-dependency wait and a grid barrier
+    between them, on random weights, activation, residual and norm weight: x against float64 products, and x, the
+    norm's planes and partial sums and gate_up's act(gate) * up planes bit for bit what the two launches it replaces
+    write from the same inputs (the default bundle's gemv_ringx_nvfp4_nb1 and gemv_ringxr_gated_nvfp4_nb1, each held
+    to float64 by the tests above); its barrier count back at 0, so a second launch writes the same."""
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor_cuda import CudaExecutor
+    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-pair")), use_graphs=False)
+    try:
+        i, x = find(ex, "decode", 1, "gemv_ring_pair_gated_nvfp4")
+        assert [buf(x, c) for c in (0, 4, 8, 9, 13, 17)] == ["attn", "x", "hb", "norm_part", "ab", "pair_bar"]
+        na, ka, ng = scalar(x, 5), scalar(x, 6), scalar(x, 14)
+        rng = np.random.default_rng(171)
+        wo = random_weights(ex, x, [1, 2, 3], na, ka, rng)
+        a = put_activation(ex, "attn", (rng.standard_normal((1, ka)) * 0.5).astype(np.float32), XF_F16X2_HI)
+        base = (rng.standard_normal((1, na)) * 3).astype(np.float32)
+        put(ex, "x", base)
+        put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
+        random_weights(ex, x, [10, 11, 12], ng, scalar(x, 15), rng)
+        inputs = {n: get(ex, n, np.uint8, ex.program.buffers[n].bytes)
+                  for n in [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12)]}
+
+        def outputs(e):
+            return [("x", get(e, "x", np.float32, na)), ("hb", get(e, "hb", np.uint16, 2 * na)),
+                    ("norm_part", get(e, "norm_part", np.float32, na // 16)), ("ab", get(e, "ab", np.uint16, ng))]
+        outs = []
+        for rep in range(2):
+            put(ex, "x", base)
+            for name in ("hb", "norm_part", "ab"):
+                poison(ex, name)
+            run(ex, "decode", 1, i)
+            outs.append(outputs(ex))
+            assert get(ex, "pair_bar", np.int32, 1)[0] == 0, "the barrier's count left"
+        for (name, u), (_, v) in zip(*outs):
+            assert np.array_equal(u, v), f"{name}: a second launch wrote other values"
+        xs = outs[0][0][1].reshape(1, na)
+        assert dot_rel(xs, a.astype(np.float64) @ wo.T.astype(np.float64) + base, a, wo, base) <= TOL_F32
+        for name, v in inputs.items():
+            put(ex8b, name, v)
+        for name in ("hb", "norm_part", "ab"):
+            poison(ex8b, name)
+        launches = list(enumerate(ex8b.program.phase("decode", 1).launches))
+        jo = next(j for j, y in launches if y.kernel == "gemv_ringx_nvfp4_nb1" and buf(y, 1) == "layers.0.o.codes")
+        jg = next(j for j, y in launches
+                  if y.kernel == "gemv_ringxr_gated_nvfp4_nb1" and buf(y, 1) == "layers.0.gate_up.codes")
+        run(ex8b, "decode", 1, jo)
+        run(ex8b, "decode", 1, jg)
+        for (name, got), (_, want) in zip(outs[0], outputs(ex8b)):
+            assert np.array_equal(got, want), f"{name}: not the bits of the two launches it replaces"
+    finally:
+        ex.close()
+
 @pytest.mark.parametrize("b", [1, 2, 4, 8])
 def test_decode_gemv_norm_partials(ex8b, b):
     """The RMSNorm between two streamed decode GEMVs as partial sums (templates/gemv_ring.cu.j2 gemv_ring_body): o and

@@ -471,7 +471,8 @@ def test_rope_in_attention_program():
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
     assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
         {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {      # (--prefill-qkv-epilogue's kernel)
-        "gemv_ring3_rope_nvfp4_nb1"}                                            # (the rope tail's, below)
+        "gemv_ring3_rope_nvfp4_nb1"} | {                                        # (the rope tail's, below)
+        "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}           # (--gemv-pair's)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(
         spec, t, ProgramOptions(rope_in_attention=False))
 
@@ -699,6 +700,87 @@ def test_decode_gemv_residual_read_before_the_wait():
             assert early == 2 * spec.n_layers * sum(ph.phase == "decode" and ph.tokens <= gemv_rows
                                                     for ph in prog.phases), early
 
+
+
+def test_gemv_pair_program():
+    """--gemv-pair (off by default): at one decode row of the 8B shape, each layer's o and gate_up are one launch,
+    gemv_ring_pair_gated_nvfp4_nb1, and each layer's down and the next layer's qkv another, gemv_ring_pair_nvfp4_nb1
+    (templates/gemv_ring_pair.cu.j2): the first GEMV's arguments (its activation, weights, x, N, K, the next norm's
+    weight, planes and partial sums), then the second's (weights, out, N, K; gate_up's activation format; qkv's rope
+    tail inputs, q, the next layer's KV pools and the heads' counts) exactly as the launches they replace take them,
+    and the grid barrier's count; a grid of two blocks an SM with the larger of the two launches' shared memory; three
+    launches a layer (the first qkv and the last down stay alone), the same bytes read and written. Every other phase
+    is unchanged, and so is the default program (no barrier buffer, the kernels left out of the cubin). Not with
+    --rope-in-attention for qkv, nor on shapes whose GEMVs are not those kernels (the 0.6B shape)."""
+    import dataclasses
+
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from runtime.executor_cuda import barrier_grid
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]
+    formats = default_formats(spec)
+    t = load_target("sm_90a")
+    n = spec.n_layers
+    base = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), None)
+    on = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64, gemv_pair=True),
+                       ProgramOptions(gemv_pair=True), None)
+    assert "pair_bar" not in base.buffers and on.buffers["pair_bar"].bytes == 4
+    assert any(x.kernel == "fill_f32" and x.args[0]["ptr"] == "pair_bar" for x in on.phase("init", 0).launches)
+    assert barrier_grid(base) == 0 and barrier_grid(on) == 2 * t["sm_count"]
+    kinds = ("gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1")
+    for pa, pb in zip(on.phases, base.phases):
+        assert (pa.phase, pa.tokens) == (pb.phase, pb.tokens)
+        if not (pa.phase == "decode" and pa.tokens == 1):
+            assert [x for x in pa.launches if x.args[0] != {"ptr": "pair_bar"}] == list(pb.launches)
+            continue
+        pairs = [x for x in pa.launches if x.kernel == kinds[0]]
+        gpairs = [x for x in pa.launches if x.kernel == kinds[1]]
+        assert len(pairs) == n - 1 and len(gpairs) == n and len(pa.launches) == len(pb.launches) - (2 * n - 1)
+        downs = [x for x in pb.launches if x.kernel == "gemv_ringxr_nvfp4_nb1"]
+        qkvs = [x for x in pb.launches if x.kernel == "gemv_ring3_rope_nvfp4_nb1"]
+        os_ = [x for x in pb.launches if x.kernel == "gemv_ringx_nvfp4_nb1" and buf_names(x)[1].endswith(".o.codes")]
+        gus = [x for x in pb.launches if x.kernel == "gemv_ringxr_gated_nvfp4_nb1"]
+        assert len(downs) == len(qkvs) == len(os_) == len(gus) == n
+        for i, (x, d, q) in enumerate(zip(pairs, downs, qkvs[1:])):
+            assert buf_names(d)[1] == f"layers.{i}.down.codes" and buf_names(q)[1] == f"layers.{i + 1}.qkv.codes"
+            assert x.args[:7] == d.args[:7] and x.args[7:10] == d.args[-4:-1]       # down: the add and the norm's parts
+            assert d.args[-1] == {"ptr": None} and q.args[-1] == {"ptr": "norm_part"} and q.args[0] == {"ptr": "hb"}
+            assert x.args[10:16] == q.args[1:7] and x.args[16:26] == q.args[9:19]    # qkv: the rope tail's inputs
+            assert x.args[26] == {"ptr": "pair_bar"} and len(x.args) == 27
+            assert (x.grid, x.block, x.smem, x.pdl) == ((2 * t["sm_count"], 1, 1), d.block, max(d.smem, q.smem), True)
+            assert set(d.writes) | set(q.writes) | {("pair_bar", 4)} == set(x.writes)
+            assert set(d.reads) | set(q.reads) | {("pair_bar", 4)} == set(x.reads)
+        for i, (x, o, g) in enumerate(zip(gpairs, os_, gus)):
+            assert buf_names(o)[1] == f"layers.{i}.o.codes" and buf_names(g)[1] == f"layers.{i}.gate_up.codes"
+            assert x.args[:7] == o.args[:7] and x.args[7:10] == o.args[-4:-1]       # o: the add and the norm's parts
+            assert o.args[-1] == {"ptr": None} and g.args[-1] == {"ptr": "norm_part"} and g.args[0] == {"ptr": "hb"}
+            assert x.args[10:17] == g.args[1:7] + g.args[8:9]                       # gate_up: ... its output format
+            assert x.args[17] == {"ptr": "pair_bar"} and len(x.args) == 18
+            assert (x.grid, x.block, x.smem, x.pdl) == ((2 * t["sm_count"], 1, 1), o.block, max(o.smem, g.smem), o.pdl)
+            assert set(o.writes) | set(g.writes) | {("pair_bar", 4)} == set(x.writes)
+            assert set(o.reads) | set(g.reads) | {("pair_bar", 4)} == set(x.reads)
+        # the rest of the step as without the option: the first qkv and the last down alone
+        paired = downs[:-1] + qkvs[1:] + os_ + gus
+        assert [x for x in pa.launches if x.kernel not in kinds] == [x for x in pb.launches if x not in paired]
+    for k in kinds:
+        assert k in kernels_not_launched(spec, t, ProgramOptions())
+        assert k not in kernels_not_launched(spec, t, ProgramOptions(gemv_pair=True))
+    # with --rope-in-attention, o and gate_up only (no rope-tail qkv); the 0.6B shape neither (its GEMVs differ)
+    ria = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64, gemv_pair=True),
+                        ProgramOptions(gemv_pair=True, rope_in_attention=True), None)
+    assert {x.kernel for ph in ria.phases for x in ph.launches} & set(kinds) == {kinds[1]}
+    small = dataclasses.replace(spec, hidden=1024, n_layers=2, n_heads=16, intermediate=3072)
+    f = default_formats(small)
+    prog = build_program(small, f, t, plan_memory(small, f, [t], None, 4096, 64, gemv_pair=True),
+                         ProgramOptions(gemv_pair=True), None)
+    assert not any("pair" in x.kernel for ph in prog.phases for x in ph.launches)
+    assert not set(kinds) & kernels_not_launched(small, t, ProgramOptions())
+
+
+def buf_names(x) -> list:
+    return [a.get("ptr") for a in x.args]
 
 def test_prefill_qkv_epilogue_program():
     """--prefill-qkv-epilogue (off by default): the Qwen3-8B shape's large prefill phase runs each layer's qkv on

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The first GPU check of `--gemv-pair` (issue 8: two one-row GEMVs in one launch, templates/gemv_ring_pair.cu.j2), in
+# two halves.
+#   scripts/pair_check.sh build DIR   on the compiling machine: the GPU test bundles syn-qwen3-8b-2l and
+#                                     syn-qwen3-8b-2l-pair under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
+#                                     (T) and with (P) the option, and their timer builds (Tt, Pt), under DIR/8b (~33 MB)
+#   scripts/pair_check.sh run DIR OUT on the GPU machine (DIR carried; the project importable and its wheels
+#                                     installed): the pair kernels' GPU tests (bit for bit against the launches they
+#                                     replace, batch invariance), scripts/ab_bench.py T P at 1 and 4 rows, the per-kernel
+#                                     table of both, and the phase timers of layer 18's pairs and the launches they
+#                                     replace; logs in OUT, a short summary printed last
+set -uo pipefail
+USAGE="usage: scripts/pair_check.sh build DIR | run DIR OUT"
+MODE=${1:?$USAGE}
+DIR=${2:?$USAGE}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+case $MODE in
+  build)
+    PY=${PYTHON:-$ROOT/.venv/bin/python}
+    IMP_GPU_BUNDLES="$DIR/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" syn-qwen3-8b-2l syn-qwen3-8b-2l-pair || exit 1
+    for b in T P Tt Pt; do
+      out="$DIR/8b/$b"
+      flags=$([ "${b:0:1}" = P ] && echo --gemv-pair || echo --no-gemv-pair)
+      timers=$([ "${b:1:1}" = t ] && echo 1 || echo 0)
+      [ -f "$out/manifest.json" ] || IMP_KERNEL_TIMERS=$timers "$PY" -m impc.cli compile --synthetic \
+        "$ROOT/examples/qwen3-8b.json" -o "$out" --target sm_90a --vram 40 $flags -q || exit 1
+    done
+    du -sh "$DIR"
+    ;;
+  run)
+    OUT=${3:?$USAGE}
+    mkdir -p "$OUT"
+    export PYTHONUNBUFFERED=1
+    IMP_GPU_BUNDLES="$DIR/tb" timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
+      "$ROOT/tests/test_gpu_kernels.py" "$ROOT/tests/test_gpu_model.py" -k "pair or (8b and not rolled)" \
+      > "$OUT/tests.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12
+    timeout 200 $PY "$ROOT/scripts/ab_bench.py" "$DIR/8b/T" "$DIR/8b/P" --rounds 3 --batches 1,4 --pp "" \
+      > "$OUT/ab.txt" 2>&1
+    echo "== without (A) and with (B) --gemv-pair"; grep -E "decode batch|TB/s" "$OUT/ab.txt"
+    for b in T P; do
+      timeout 90 $PY "$ROOT/scripts/profile_step.py" "$DIR/8b/$b" --tokens 1 --context 512 --reps 10 --by-shape \
+        --back-to-back --graph > "$OUT/prof-$b.txt" 2>&1
+      echo "== per kernel, $b"; grep -E "gemv_ring|attn_decode|copy" "$OUT/prof-$b.txt" | cut -c1-150
+    done
+    # layer 18: T's o (73), gate_up (74), down (75) and the next qkv (76) among its gemv_ring launches; P's o + gate_up
+    # (37) and down + qkv (38) pairs (phases 2 and 3 of a pair: its first GEMV's last stage done, past the barrier)
+    for occ in 73 74 75 76; do
+      echo "== T, gemv_ring #$occ"
+      timeout 60 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Tt" --kernel gemv_ring --occurrence $occ --reps 10 \
+        2>&1 | tee "$OUT/phases-T-$occ.txt" | head -12
+    done
+    for occ in 37 38; do
+      echo "== P, gemv_ring #$occ"
+      timeout 60 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Pt" --kernel gemv_ring --occurrence $occ --reps 10 \
+        2>&1 | tee "$OUT/phases-P-$occ.txt" | head -12
+    done
+    ;;
+  *) echo "$USAGE" >&2; exit 2;;
+esac
