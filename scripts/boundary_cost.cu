@@ -77,6 +77,32 @@ extern "C" __global__ void persistent_steps(unsigned int* __restrict__ words, un
     }
 }
 
+// The same barrier as templates/gemv_ring_pair.cu.j2 arrives: an acquire-release fence and a relaxed add (CUTLASS's
+// generic barrier), not __threadfence's sequentially consistent fence before the add, nor one after the wait
+extern "C" __global__ void persistent_steps_rel(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
+                                                int steps, int work_ns, int pre_ns) {
+    __shared__ unsigned int got;
+    const int n = gridDim.x, b = blockIdx.x;
+    for (int s = 0; s < steps; ++s) {
+        const int parity = s & 1;
+        busy_ns(pre_ns);
+        if (s > 0 && threadIdx.x == 0) {
+            const unsigned int target = (unsigned int)s * (unsigned int)n;
+            while (ld_acquire(bar) < target) {
+            }
+        }
+        if (threadIdx.x == 0) got = words[(size_t)(parity ^ 1) * n + (b + 1) % n];
+        __syncthreads();
+        busy_ns(work_ns - pre_ns);
+        if (threadIdx.x == 0) {
+            words[(size_t)parity * n + b] = got + 1;
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
+        }
+        __syncthreads();
+    }
+}
+
 // L steps in one launch, each block waiting only for the block whose word it reads: flags[b] counts the steps block
 // b has finished (zero before the launch).
 extern "C" __global__ void flag_steps(unsigned int* __restrict__ words, unsigned int* __restrict__ flags, int steps,

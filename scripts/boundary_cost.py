@@ -9,7 +9,8 @@ scripts/boundary_cost.cu's kernels, no model: each step busy-waits --work-ns, th
 different block reads after the next dependency (an L2 round trip, as a real step hands its output on); --pre-ns of
 the work does not depend on the previous step (a GEMV's weight loads) and may hide behind the dependency (before
 griddepcontrol.wait; between arriving and waiting). A graph of --steps launches of `chain_step` (with and without
-PDL), one launch of `persistent_steps` (a grid barrier a step) and one of `flag_steps` (each block waits for the one
+PDL), one launch of `persistent_steps` (a grid barrier a step; `persistent_steps_rel` the same with an acquire-release
+fence and a relaxed add, as templates/gemv_ring_pair.cu.j2 arrives) and one of `flag_steps` (each block waits for the one
 block it reads: a lower bound, a GEMV needs all of the previous one's blocks) are replayed --reps times; per step:
 the median replay's time / steps, and that less the work: the dependency.
 
@@ -48,7 +49,9 @@ def measure(cubin: Path, steps: int, reps: int, blocks_per_sm: list[int], work_n
     sms = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
     mod = Module(cubin.read_bytes())
     chain, persistent, flags = mod.func("chain_step"), mod.func("persistent_steps"), mod.func("flag_steps")
-    resident = min(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(k, THREADS, 0)) for k in (persistent, flags))
+    persistent_rel = mod.func("persistent_steps_rel")
+    resident = min(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(k, THREADS, 0))
+                   for k in (persistent, persistent_rel, flags))
     stream = check(cu.cuStreamCreate(0))
     words = check(cu.cuMemAlloc(2 * 4 * sms * max(blocks_per_sm)))
     bar = check(cu.cuMemAlloc(4 * sms * max(blocks_per_sm)))       # the barrier's counter, or a flag a block
@@ -110,7 +113,8 @@ def measure(cubin: Path, steps: int, reps: int, blocks_per_sm: list[int], work_n
                    "boundary, PDL": timed(graph_of(lambda: launch_chain(True))),
                    "boundary, plain": timed(graph_of(lambda: launch_chain(False)))}
             # a grid barrier (or a ring of flags) needs the whole grid resident at once, or it never returns
-            for name, kernel in (("grid barrier", persistent), ("block flags", flags)):
+            for name, kernel in (("grid barrier", persistent), ("grid barrier, acq_rel", persistent_rel),
+                                 ("block flags", flags)):
                 row[name] = timed(graph_of(lambda k=kernel: launch_persistent(k))) if b <= resident else float("nan")
             rows.append(row)
     check(cu.cuStreamSynchronize(stream))
@@ -136,7 +140,7 @@ def main() -> int:
     bps = [int(x) for x in args.blocks_per_sm.split(",") if x]
     work = [int(x) for x in args.work_ns.split(",") if x]
     rows = measure(Path(args.cubin), args.steps, args.reps, bps, work, args.pre_ns)
-    cols = ["boundary, PDL", "boundary, plain", "grid barrier", "block flags"]
+    cols = ["boundary, PDL", "boundary, plain", "grid barrier", "grid barrier, acq_rel", "block flags"]
     print(f"us a step (median of {args.reps} replays of {args.steps} steps, {args.pre_ns} ns of each step's work "
           f"independent of the last); in brackets: less the step's work")
     print(f"{'blocks/SM':>9} {'work ns':>8} " + " ".join(f"{c:>22}" for c in cols))

@@ -3,12 +3,14 @@
 # two halves.
 #   scripts/pair_check.sh build DIR   on the compiling machine: the GPU test bundles syn-qwen3-8b-2l and
 #                                     syn-qwen3-8b-2l-pair under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
-#                                     (T) and with (P) the option, and their timer builds (Tt, Pt), under DIR/8b (~33 MB)
+#                                     (T) and with (P) the option, and their timer builds (Tt, Pt), under DIR/8b;
+#                                     scripts/boundary_cost.cu as DIR/bc.cubin (~33 MB in all)
 #   scripts/pair_check.sh run DIR OUT on the GPU machine (DIR carried; the project importable and its wheels
 #                                     installed): the pair kernels' GPU tests (bit for bit against the launches they
 #                                     replace, batch invariance), scripts/ab_bench.py T P at 1 and 4 rows, the per-kernel
 #                                     table of both, and the phase timers of layer 18's pairs and the launches they
-#                                     replace; logs in OUT, a short summary printed last
+#                                     replace, and scripts/boundary_cost.py (the barrier against a PDL boundary); logs in
+#                                     OUT, a short summary printed last
 set -uo pipefail
 USAGE="usage: scripts/pair_check.sh build DIR | run DIR OUT"
 MODE=${1:?$USAGE}
@@ -19,6 +21,7 @@ case $MODE in
   build)
     PY=${PYTHON:-$ROOT/.venv/bin/python}
     IMP_GPU_BUNDLES="$DIR/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" syn-qwen3-8b-2l syn-qwen3-8b-2l-pair || exit 1
+    "$PY" "$ROOT/scripts/boundary_cost.py" --build "$DIR/bc.cubin" || exit 1
     for b in T P Tt Pt; do
       out="$DIR/8b/$b"
       flags=$([ "${b:0:1}" = P ] && echo --gemv-pair || echo --no-gemv-pair)
@@ -36,6 +39,8 @@ case $MODE in
       "$ROOT/tests/test_gpu_kernels.py" "$ROOT/tests/test_gpu_model.py" -k "pair or (8b and not rolled)" \
       > "$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12
+    # (a kernel that is wrong or never returns is not worth timing: stop here)
+    tail -1 "$OUT/tests.log" | grep -q " passed" && ! grep -qE "^(FAILED|ERROR)" "$OUT/tests.log" || exit 1
     timeout 200 $PY "$ROOT/scripts/ab_bench.py" "$DIR/8b/T" "$DIR/8b/P" --rounds 3 --batches 1,4 --pp "" \
       > "$OUT/ab.txt" 2>&1
     echo "== without (A) and with (B) --gemv-pair"; grep -E "decode batch|TB/s" "$OUT/ab.txt"
@@ -48,14 +53,18 @@ case $MODE in
     # (37) and down + qkv (38) pairs (phases 2 and 3 of a pair: its first GEMV's last stage done, past the barrier)
     for occ in 73 74 75 76; do
       echo "== T, gemv_ring #$occ"
-      timeout 60 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Tt" --kernel gemv_ring --occurrence $occ --reps 10 \
+      timeout 45 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Tt" --kernel gemv_ring --occurrence $occ --reps 10 \
         2>&1 | tee "$OUT/phases-T-$occ.txt" | head -12
     done
     for occ in 37 38; do
       echo "== P, gemv_ring #$occ"
-      timeout 60 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Pt" --kernel gemv_ring --occurrence $occ --reps 10 \
+      timeout 45 $PY "$ROOT/scripts/kernel_phases.py" "$DIR/8b/Pt" --kernel gemv_ring --occurrence $occ --reps 10 \
         2>&1 | tee "$OUT/phases-P-$occ.txt" | head -12
     done
+    # what the barrier costs against a PDL boundary, with __threadfence (persistent_steps) and as the pairs arrive
+    # (persistent_steps_rel: an acquire-release fence and a relaxed add)
+    timeout 60 $PY "$ROOT/scripts/boundary_cost.py" "$DIR/bc.cubin" --blocks-per-sm 2 --work-ns 0,1000 --pre-ns 500 \
+      2>&1 | tee "$OUT/boundary.txt" | tail -5
     ;;
   *) echo "$USAGE" >&2; exit 2;;
 esac

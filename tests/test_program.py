@@ -830,7 +830,7 @@ def test_boundary_cost_kernels_build(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "boundary_cost.py"), "--build", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"chain_step", "persistent_steps", "flag_steps"} <= kernel_symbols(out.read_bytes())
+    assert {"chain_step", "persistent_steps", "persistent_steps_rel", "flag_steps"} <= kernel_symbols(out.read_bytes())
 
 
 def test_norm_prologue_bf16_option():
