@@ -203,7 +203,7 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored
     n = spec.n_heads + 2 * spec.n_kv_heads
     out.append(("rope_count", "scratch", "i32", (n,), n * 4, None))
-    if pair_bar:    # --gemv-pair: the grid barrier of the launch doing down and the next qkv (templates/gemv_ring_pair.cu.j2)
+    if pair_bar:    # --gemv-pair: the grid barrier of the launches doing two GEMVs (templates/gemv_ring_pair.cu.j2)
         out.append(("pair_bar", "scratch", "i32", (1,), 4, None))
     page_bytes = spec.n_kv_heads * page * spec.head_dim * 2
     for i in range(spec.n_layers):

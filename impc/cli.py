@@ -102,9 +102,9 @@ def _add_compile(sub) -> None:
                         "(the 8B shape): q/k norm, RoPE and the paged KV write in that launch's tail, one launch a "
                         "layer fewer (default on: b1 +0.5%%); --no-qkv-rope-tail keeps the qkv_rope launch")
     p.add_argument("--gemv-pair", action=argparse.BooleanOptionalAction, default=False,
-                   help="Hopper decode at one row where down runs its unrolled streamed GEMV and the next qkv the "
-                        "rope-tail one (the 8B shape): both in one launch with a grid barrier between, qkv's weights "
-                        "streaming under down's tail (off by default: not yet measured, BENCHMARKS.md)")
+                   help="Hopper decode at one row (the 8B shape): o and gate_up, and down and the next layer's qkv, "
+                        "each pair in one launch with a grid barrier between, the second GEMV's weights streaming "
+                        "under the first (off by default: not yet measured on a GPU, BENCHMARKS.md)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "

@@ -486,7 +486,7 @@ class LinearLaunches:
         if not (self.opt.gemv_pair and nb == 1 and not rope_in_attention and pair_shape(self.spec)
                 and self.ring_norm_ok(down, qkv, True, nb)):
             return False
-        kd, grid, _ = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
+        kd, _, _ = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
         kq, _, _ = self.gemv_launch("gemv_nvfp4_nb1", qkv, 1, qkv.n // 16)
         bt = GR_STAGES // 2
         return (kd == "gemv_ringxr_nvfp4_nb1" and self.rope_tail_ok(kq, qkv, 0) and self.ring_stages(qkv, False) == 2

@@ -60,9 +60,9 @@ class ProgramOptions:
                                       # +0.9%, BENCHMARKS.md)
     qkv_rope_tail: bool = True        # Hopper one-row decode where qkv runs gemv_ring3_*: q/k norm, RoPE and the KV
                                       # append in its launch's tail (launch_linear.py rope_tail_ok), no qkv_rope launch
-    gemv_pair: bool = False           # Hopper one-row decode: down and the next layer's qkv in one launch, qkv's
-                                      # weights streaming under down's tail (launch_linear.py pair_ok; not yet
-                                      # measured on a GPU: off by default)
+    gemv_pair: bool = False           # Hopper one-row decode: o and gate_up, down and the next layer's qkv, each pair
+                                      # in one launch, the second's weights streaming under the first (launch_linear.py
+                                      # pair_ok, pair_gated_ok; not yet measured on a GPU: off by default)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
