@@ -61,16 +61,16 @@ def norm_tail_rows(program) -> int:
     return max(rows, default=0)
 
 
-# blocks an SM a launch with a grid-wide barrier holds at once (gemv_ring_pair: launch bounds of two, 108 KB of shared
-# memory a block; impc/launch_linear.py GR_BLOCKS)
-BARRIER_BLOCKS_PER_SM = 2
+def barrier_launches(program) -> list:
+    """The launches whose blocks wait for each other (gemv_ring_pair_*, --gemv-pair: a grid-wide barrier, so every
+    block must be resident at once), one of each kernel, grid, block and shared memory."""
+    return list({(x.kernel, x.grid, x.block, x.smem): x for ph in program.phases for x in ph.launches
+                 if any(b == "pair_bar" for b, _ in x.reads)}.values())     # (the init phase's fill only writes it)
 
 
 def barrier_grid(program) -> int:
-    """The largest grid of a launch whose blocks wait for each other (gemv_ring_pair_*, --gemv-pair: a grid-wide
-    barrier, so every block must be resident at once), or 0 where none does."""
-    return max((x.grid[0] for ph in program.phases for x in ph.launches if any(b == "pair_bar" for b, _ in x.writes)),
-               default=0)
+    """The largest grid of those launches, or 0 where there are none."""
+    return max((x.grid[0] for x in barrier_launches(program)), default=0)
 
 
 class CudaExecutor:
@@ -104,11 +104,6 @@ class CudaExecutor:
             raise BundleError(f"{bundle.path}: its decode GEMM norms a row a block once all its blocks have finished "
                               f"(the norm tail), at up to {need} rows: that needs more than {need} SMs, and this GPU "
                               f"({self.gpu_name}) has {sms}; rebuild with `impc compile ... --no-norm-tail`")
-        grid = barrier_grid(p)
-        if grid > BARRIER_BLOCKS_PER_SM * sms:
-            raise BundleError(f"{bundle.path}: its decode step runs a launch of {grid} blocks that wait for each other "
-                              f"(--gemv-pair), {BARRIER_BLOCKS_PER_SM} an SM, and this GPU ({self.gpu_name}) has {sms} "
-                              f"SMs; rebuild with `impc compile ... --no-gemv-pair`")
         c = p.constants
         self.page_size, self.num_pages, self.max_pages = c["page_size"], c["kv_pages"], c["max_pages"]
         self.max_batch, self.max_context, self.prefill_chunk = c["max_batch"], c["max_context"], c["prefill_chunk"]
@@ -125,6 +120,13 @@ class CudaExecutor:
         self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes(), *more)
         for name, nbytes in p.kernel_smem.items():
             self.module.set_max_dynamic_smem(name, nbytes)
+        for x in barrier_launches(p):    # every block resident at once, or the barrier never returns
+            fits = sms * check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.module.func(x.kernel), x.block[0],
+                                                                               x.smem))
+            if x.grid[0] > fits:
+                raise BundleError(f"{bundle.path}: its decode step runs {x.kernel}, {x.grid[0]} blocks that wait for "
+                                  f"each other (--gemv-pair), and this GPU ({self.gpu_name}) holds {fits} of them at "
+                                  f"once; rebuild with `impc compile ... --no-gemv-pair`")
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
         self.arena = DeviceArena(p, bundle, self.stream, self.gpu_name)
         self.phases = {(ph.phase, ph.tokens): BoundPhase(ph, self.module, self.arena, p.symbols) for ph in p.phases}

@@ -717,7 +717,7 @@ def test_gemv_pair_program():
     from impc.launches import ProgramOptions, build_program, kernels_not_launched
     from impc.plan import plan_memory
     from impc.targets import load_target
-    from runtime.executor_cuda import barrier_grid
+    from runtime.executor_cuda import barrier_grid, barrier_launches
     from tests.test_templates_compile import SHAPES, default_formats
     spec = SHAPES["qwen3-8b"]
     formats = default_formats(spec)
@@ -730,6 +730,7 @@ def test_gemv_pair_program():
     assert any(x.kernel == "fill_f32" and x.args[0]["ptr"] == "pair_bar" for x in on.phase("init", 0).launches)
     assert barrier_grid(base) == 0 and barrier_grid(on) == 2 * t["sm_count"]
     kinds = ("gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1")
+    assert sorted(x.kernel for x in barrier_launches(on)) == sorted(kinds) and not barrier_launches(base)
     for pa, pb in zip(on.phases, base.phases):
         assert (pa.phase, pa.tokens) == (pb.phase, pb.tokens)
         if not (pa.phase == "decode" and pa.tokens == 1):
