@@ -91,7 +91,8 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
     from impc.arena_layout import ATTN_MAX_SPLITS, FA_TILE_INTS, attn_partial_row
     from impc.launches import attn_decode_geometry, fa_wg_geometry
     from impc.launch_linear import (GR3_BLOCKS, GR3_SMEM, GR3_STAGES, GR_RESIDENT, GR_SMEM, GR_STAGES, GR_UR,
-                                    SMALL_HEAD_K, gv_i8_tiles, WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape)
+                                    SMALL_HEAD_K, gv_i8_tiles, WG_STAGES, WG_THREADS, WG_TILE_K, WG_TILE_M, WQ_K, WQ_RA, WQ_ROWS, WQ_RW, wq_shape,
+                                    pair_gated_shape, pair_shape)
     ctx = {"spec": spec, "target": target, "plan": plan, "attn_max_splits": ATTN_MAX_SPLITS, "fa_tile_ints": FA_TILE_INTS,
            "attn_partial_row": attn_partial_row(spec.head_dim),
            "layer_kinds": [spec.kind(i) for i in range(spec.n_layers)],
@@ -102,6 +103,7 @@ def render(spec: ModelSpec, target: dict, plan: dict, omit: frozenset[str] = fro
            "gr": {"stages": GR_STAGES, "ur": GR_UR, "resident": GR_RESIDENT, "smem": GR_SMEM,
                   "stages3": GR3_STAGES, "resident3": GR3_BLOCKS, "smem3": GR3_SMEM},
            "i8_tiles": gv_i8_tiles(spec.hidden), "bf16w": spec.hidden <= SMALL_HEAD_K,
+           "pair": {"dq": pair_shape(spec), "og": pair_gated_shape(spec)},    # templates/gemv_ring_pair.cu.j2
            "omit": frozenset(omit),
            # a developer build with phase timers in the streamed decode GEMVs, the decode attention, rmsnorm_residual
            # and qkv_rope_cache_f16 (scripts/kernel_phases.py)

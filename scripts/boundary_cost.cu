@@ -47,39 +47,12 @@ extern "C" __global__ void chain_step(unsigned int* __restrict__ words, int work
 }
 
 // L steps in one launch: a grid barrier between each two (bar: the arrival counter, zero before the launch; the
-// whole grid must be resident: the driver checks the grid against the occupancy). A step: arrive, the independent
-// work, wait for every block's arrival, read, the rest of the work, write.
-extern "C" __global__ void persistent_steps(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
-                                            int steps, int work_ns, int pre_ns) {
-    __shared__ unsigned int got;
-    const int n = gridDim.x, b = blockIdx.x;
-    for (int s = 0; s < steps; ++s) {
-        const int parity = s & 1;
-        if (s > 0) {
-            busy_ns(pre_ns);
-            if (threadIdx.x == 0) {
-                const unsigned int target = (unsigned int)s * (unsigned int)n;
-                while (ld_acquire(bar) < target) {
-                }
-            }
-        } else {
-            busy_ns(pre_ns);
-        }
-        if (threadIdx.x == 0) got = words[(size_t)(parity ^ 1) * n + (b + 1) % n];
-        __syncthreads();
-        busy_ns(work_ns - pre_ns);
-        if (threadIdx.x == 0) {
-            words[(size_t)parity * n + b] = got + 1;
-            __threadfence();                                  // this block's word before its arrival
-            atomicAdd(bar, 1u);
-        }
-        __syncthreads();
-    }
-}
-
-// The same barrier as templates/gemv_ring_pair.cu.j2 arrives: an acquire-release fence and a relaxed add (CUTLASS's
-// generic barrier), not __threadfence's sequentially consistent fence before the add, nor one after the wait
-extern "C" __global__ void persistent_steps_rel(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
+// whole grid must be resident: the driver checks the grid against the occupancy). A step: the independent work, wait
+// for every block's arrival at the last step, read, the rest of the work, write, arrive. REL: the arrival as
+// templates/gemv_ring_pair.cu.j2 does it, an acquire-release fence and a relaxed add (CUTLASS's generic barrier);
+// else __threadfence's sequentially consistent fence and an atomic add.
+template <bool REL>
+__device__ __forceinline__ void persistent_body(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
                                                 int steps, int work_ns, int pre_ns) {
     __shared__ unsigned int got;
     const int n = gridDim.x, b = blockIdx.x;
@@ -95,12 +68,25 @@ extern "C" __global__ void persistent_steps_rel(unsigned int* __restrict__ words
         __syncthreads();
         busy_ns(work_ns - pre_ns);
         if (threadIdx.x == 0) {
-            words[(size_t)parity * n + b] = got + 1;
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-            asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
+            words[(size_t)parity * n + b] = got + 1;              // this block's word before its arrival
+            if constexpr (REL) {
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
+            } else {
+                __threadfence();
+                atomicAdd(bar, 1u);
+            }
         }
         __syncthreads();
     }
+}
+extern "C" __global__ void persistent_steps(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
+                                            int steps, int work_ns, int pre_ns) {
+    persistent_body<false>(words, bar, steps, work_ns, pre_ns);
+}
+extern "C" __global__ void persistent_steps_rel(unsigned int* __restrict__ words, unsigned int* __restrict__ bar,
+                                                int steps, int work_ns, int pre_ns) {
+    persistent_body<true>(words, bar, steps, work_ns, pre_ns);
 }
 
 // L steps in one launch, each block waiting only for the block whose word it reads: flags[b] counts the steps block

@@ -613,6 +613,37 @@ def pair_outputs(ex, na: int, nq: int, slot: int) -> list[tuple[str, np.ndarray]
             ("kv.1.v", read_kv_slot(ex, "kv.1.v", slot))]
 
 
+def pair_case(ex, i: int, ex8b, inputs: list[str], base, poisoned: list[str], outputs, replaced: list[tuple[str, str]],
+              check=None) -> list[tuple[str, np.ndarray]]:
+    """A --gemv-pair launch (decode 1's launch i of ex, its inputs written) against the two launches it replaces: run
+    twice (x reset to base, the outputs poisoned), the barrier's count back at 0 after each (and check(ex)), the same
+    outputs(ex) both times; then the same inputs (buffers by name) in ex8b, the default bundle, and its launches
+    `replaced` ((kernel, weight codes buffer) in order) run: every output bit for bit theirs. Returns the outputs."""
+    saved = {n: get(ex, n, np.uint8, ex.program.buffers[n].bytes) for n in inputs}
+    outs = []
+    for rep in range(2):
+        put(ex, "x", base)
+        for name in poisoned:
+            poison(ex, name)
+        run(ex, "decode", 1, i)
+        outs.append(outputs(ex))
+        assert get(ex, "pair_bar", np.int32, 1)[0] == 0, "the barrier's count left"
+        if check is not None:
+            check(ex)
+    for (name, u), (_, v) in zip(*outs):
+        assert np.array_equal(u, v), f"{name}: a second launch wrote other values"
+    for name, v in saved.items():
+        put(ex8b, name, v)
+    for name in poisoned:
+        poison(ex8b, name)
+    launches = list(enumerate(ex8b.program.phase("decode", 1).launches))
+    for kernel, codes in replaced:
+        run(ex8b, "decode", 1, next(j for j, y in launches if y.kernel == kernel and buf(y, 1) == codes))
+    for (name, got), (_, want) in zip(outs[0], outputs(ex8b)):
+        assert np.array_equal(got, want), f"{name}: not the bits of the two launches it replaces"
+    return outs[0]
+
+
 def test_decode_gemv_pair(ex8b):
     """--gemv-pair (templates/gemv_ring_pair.cu.j2 gemv_ring_pair_nvfp4_nb1): layer 0's down and layer 1's qkv at one
     row in one launch, a grid barrier between, on random weights, activation, residual, norm and q / k norm weights,
@@ -642,34 +673,17 @@ def test_decode_gemv_pair(ex8b):
         slot = ex.page_size + 3
         put(ex, "positions", np.array([int(rng.integers(0, ex.max_context))], np.int32))
         put(ex, "kv_slots", np.array([slot], np.int32))
-        inputs = {n: get(ex, n, np.uint8, ex.program.buffers[n].bytes)
-                  for n in [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12, 17, 18)] + ["positions", "kv_slots"]}
         heads = s.n_heads + 2 * s.n_kv_heads
-        outs = []
-        for rep in range(2):
-            put(ex, "x", base)
-            for name in ("hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"):
-                poison(ex, name)
-            run(ex, "decode", 1, i)
-            outs.append(pair_outputs(ex, na, nq, slot))
-            assert get(ex, "pair_bar", np.int32, 1)[0] == 0, "the barrier's count left"
-            assert not get(ex, "rope_count", np.int32, heads).any(), "a head's count left"
-        for (name, u), (_, v) in zip(*outs):
-            assert np.array_equal(u, v), f"{name}: a second launch wrote other values"
-        xs = outs[0][0][1].reshape(1, na)
+
+        def counts_left(e):
+            assert not get(e, "rope_count", np.int32, heads).any(), "a head's count left"
+        outs = pair_case(ex, i, ex8b, [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12, 17, 18)]
+                         + ["positions", "kv_slots"], base, ["hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"],
+                         lambda e: pair_outputs(e, na, nq, slot),
+                         [("gemv_ringxr_nvfp4_nb1", "layers.0.down.codes"),
+                          ("gemv_ring3_rope_nvfp4_nb1", "layers.1.qkv.codes")], counts_left)
+        xs = outs[0][1].reshape(1, na)
         assert dot_rel(xs, a.astype(np.float64) @ wd.T.astype(np.float64) + base, a, wd, base) <= TOL_F32
-        # the two launches it replaces (the default bundle of the same shape), on the same inputs
-        for name, v in inputs.items():
-            put(ex8b, name, v)
-        for name in ("hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"):
-            poison(ex8b, name)
-        launches = list(enumerate(ex8b.program.phase("decode", 1).launches))
-        jd = next(j for j, y in launches if y.kernel == "gemv_ringxr_nvfp4_nb1" and buf(y, 1) == "layers.0.down.codes")
-        jq = next(j for j, y in launches if y.kernel == "gemv_ring3_rope_nvfp4_nb1" and buf(y, 1) == "layers.1.qkv.codes")
-        run(ex8b, "decode", 1, jd)
-        run(ex8b, "decode", 1, jq)
-        for (name, got), (_, want) in zip(outs[0], pair_outputs(ex8b, na, nq, slot)):
-            assert np.array_equal(got, want), f"{name}: not the bits of the two launches it replaces"
     finally:
         ex.close()
 
@@ -695,38 +709,19 @@ def test_decode_gemv_pair_gated(ex8b):
         put(ex, "x", base)
         put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
         random_weights(ex, x, [10, 11, 12], ng, scalar(x, 15), rng)
-        inputs = {n: get(ex, n, np.uint8, ex.program.buffers[n].bytes)
-                  for n in [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12)]}
 
         def outputs(e):
             return [("x", get(e, "x", np.float32, na)), ("hb", get(e, "hb", np.uint16, 2 * na)),
                     ("norm_part", get(e, "norm_part", np.float32, na // 16)), ("ab", get(e, "ab", np.uint16, ng))]
-        outs = []
-        for rep in range(2):
-            put(ex, "x", base)
-            for name in ("hb", "norm_part", "ab"):
-                poison(ex, name)
-            run(ex, "decode", 1, i)
-            outs.append(outputs(ex))
-            assert get(ex, "pair_bar", np.int32, 1)[0] == 0, "the barrier's count left"
-        for (name, u), (_, v) in zip(*outs):
-            assert np.array_equal(u, v), f"{name}: a second launch wrote other values"
-        xs = outs[0][0][1].reshape(1, na)
+        outs = pair_case(ex, i, ex8b, [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12)], base,
+                         ["hb", "norm_part", "ab"], outputs,
+                         [("gemv_ringx_nvfp4_nb1", "layers.0.o.codes"),
+                          ("gemv_ringxr_gated_nvfp4_nb1", "layers.0.gate_up.codes")])
+        xs = outs[0][1].reshape(1, na)
         assert dot_rel(xs, a.astype(np.float64) @ wo.T.astype(np.float64) + base, a, wo, base) <= TOL_F32
-        for name, v in inputs.items():
-            put(ex8b, name, v)
-        for name in ("hb", "norm_part", "ab"):
-            poison(ex8b, name)
-        launches = list(enumerate(ex8b.program.phase("decode", 1).launches))
-        jo = next(j for j, y in launches if y.kernel == "gemv_ringx_nvfp4_nb1" and buf(y, 1) == "layers.0.o.codes")
-        jg = next(j for j, y in launches
-                  if y.kernel == "gemv_ringxr_gated_nvfp4_nb1" and buf(y, 1) == "layers.0.gate_up.codes")
-        run(ex8b, "decode", 1, jo)
-        run(ex8b, "decode", 1, jg)
-        for (name, got), (_, want) in zip(outs[0], outputs(ex8b)):
-            assert np.array_equal(got, want), f"{name}: not the bits of the two launches it replaces"
     finally:
         ex.close()
+
 
 @pytest.mark.parametrize("b", [1, 2, 4, 8])
 def test_decode_gemv_norm_partials(ex8b, b):
