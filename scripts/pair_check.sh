@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The first GPU check of `--gemv-pair` (issue 8: two one-row GEMVs in one launch, templates/gemv_ring_pair.cu.j2), in
 # two halves.
-#   scripts/pair_check.sh build DIR   on the compiling machine: the GPU test bundles syn-qwen3-8b-2l and
-#                                     syn-qwen3-8b-2l-pair under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
+#   scripts/pair_check.sh build DIR   on the compiling machine: the GPU test bundles syn-qwen3-8b-2l(-pair) and
+#                                     syn-llama-8b-2l(-pair) under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
 #                                     (T) and with (P) the option, and their timer builds (Tt, Pt), under DIR/8b;
-#                                     scripts/boundary_cost.cu as DIR/bc.cubin (~33 MB in all)
+#                                     scripts/boundary_cost.cu as DIR/bc.cubin (~39 MB in all; scripts/gpu_kit.sh packs it)
 #   scripts/pair_check.sh run DIR OUT on the GPU machine (DIR carried; the project importable and its wheels
 #                                     installed): the pair kernels' GPU tests (bit for bit against the launches they
 #                                     replace, batch invariance), scripts/ab_bench.py T P at 1 and 4 rows, the per-kernel
@@ -20,7 +20,8 @@ PY=${PYTHON:-python3}
 case $MODE in
   build)
     PY=${PYTHON:-$ROOT/.venv/bin/python}
-    IMP_GPU_BUNDLES="$DIR/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" syn-qwen3-8b-2l syn-qwen3-8b-2l-pair || exit 1
+    IMP_GPU_BUNDLES="$DIR/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" syn-qwen3-8b-2l syn-qwen3-8b-2l-pair \
+      syn-llama-8b-2l syn-llama-8b-2l-pair || exit 1
     "$PY" "$ROOT/scripts/boundary_cost.py" --build "$DIR/bc.cubin" || exit 1
     for b in T P Tt Pt; do
       out="$DIR/8b/$b"
@@ -35,7 +36,7 @@ case $MODE in
     OUT=${3:?$USAGE}
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1
-    IMP_GPU_BUNDLES="$DIR/tb" timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
+    IMP_GPU_BUNDLES="$DIR/tb" timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
       "$ROOT/tests/test_gpu_kernels.py" "$ROOT/tests/test_gpu_model.py" -k "pair or (8b and not rolled)" \
       > "$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12

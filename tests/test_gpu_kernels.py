@@ -471,13 +471,21 @@ def ring_norm_scale(ex, x, rows: int, k: int, rng) -> np.ndarray:
     return 1.0 / np.sqrt(part.astype(np.float64).sum(axis=1, keepdims=True) / k + ex.spec.norm_eps)
 
 
-@pytest.fixture(scope="module")
-def ex8b():
-    """The Qwen3-8B shape's layers (2 of them, a 32k vocabulary): only its decode GEMVs are tested here (the other
-    kernels' shapes are covered by the bundles above, and its large prefill references cost minutes on the host)."""
+# The 8B-class shapes' layers (2 of them, a 32k vocabulary; scripts/build_gpu_bundles.py): Qwen3-8B's (intermediate
+# 12,288: down 6 stages a warp; q/k norm in the rope tail) and Llama-3.1-8B's (14,336: 7 stages; no q/k norm, Llama-3
+# RoPE scaling). Each has -rolled (--no-gemv-ring-unroll) and -pair (--gemv-pair) builds beside it.
+SHAPES_8B = ["syn-qwen3-8b-2l", "syn-llama-8b-2l"]
+
+
+@pytest.fixture(scope="module", params=SHAPES_8B)
+def ex8b(request):
+    """An 8B-class shape's layers (SHAPES_8B): only its decode GEMVs are tested here (the other kernels' shapes are
+    covered by the bundles above, and its large prefill references cost minutes on the host). Its bundle's name is
+    `ex8b.test_bundle`."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
-    e = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l")), use_graphs=False)
+    e = CudaExecutor(load_bundle(gpu_bundle(request.param)), use_graphs=False)
+    e.test_bundle = request.param
     yield e
     e.close()
 
@@ -502,10 +510,11 @@ def test_decode_gemv_8b_unrolled(ex8b):
     """--no-gemv-ring-unroll: the 8B shape's one-row gate_up on the rolled gemv_ringx_gated_* against float64 products
     of the hi plane, and bit for bit the outputs of the default gemv_ringxr_gated_* (its stage loop unrolled over the
     ring, a tile being one revolution of it) on the same weights, activation and norm partials (the same bundle
-    otherwise); down the same, on gemv_ringx_* and gemv_ringxr_* (6 stages a tile unrolled, a tile a block)."""
+    otherwise); down the same, on gemv_ringx_* and gemv_ringxr_* (intermediate / 2048 stages a tile unrolled: 6 for
+    Qwen3-8B, 7 for Llama-3.1-8B; a tile a block)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
-    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-rolled")), use_graphs=False)
+    ex = CudaExecutor(load_bundle(gpu_bundle(ex8b.test_bundle + "-rolled")), use_graphs=False)
     try:
         kernels = {x.kernel for x in ex.program.phase("decode", 1).launches}
         assert "gemv_ringx_gated_nvfp4_nb1" in kernels and "gemv_ringxr_gated_nvfp4_nb1" not in kernels
@@ -514,7 +523,7 @@ def test_decode_gemv_8b_unrolled(ex8b):
         assert rel(rolled, ref) <= TOL_F32
         got, _ = gated_case(ex8b, 1)
         assert np.array_equal(got, rolled), "the unrolled loop's outputs differ from the rolled loop's"
-        # down (6 stages a tile, one tile a block): gemv_ringxr_* against the rolled gemv_ringx_*
+        # down (intermediate / 2048 stages a tile, one tile a block): gemv_ringxr_* against the rolled gemv_ringx_*
         kern_r, *rolled = down_case(ex, 1)
         kern_u, *got = down_case(ex8b, 1)
         assert (kern_r, kern_u) == ("gemv_ringx_nvfp4_nb1", "gemv_ringxr_nvfp4_nb1")
@@ -565,7 +574,10 @@ def test_decode_gemv_rope_tail(ex8b, b):
     a = put_activation(ex, buf(x, 0), (rng.standard_normal((b, k)) * 0.5).astype(np.float32), XF_F16X2_HI)
     sc = ring_norm_scale(ex, x, b, k, rng)
     qn, kn = (rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32) for _ in range(2))
-    put(ex, buf(x, 10), qn), put(ex, buf(x, 11), kn)
+    qk_norm = buf(x, 10) is not None                     # Qwen3's q / k norm; Llama's rope tail has none
+    assert qk_norm == (buf(x, 11) is not None)
+    if qk_norm:
+        put(ex, buf(x, 10), qn), put(ex, buf(x, 11), kn)
     pos = rng.integers(0, ex.max_context, b).astype(np.int32)
     slots = (np.arange(1, b + 1) * ex.page_size + 3).astype(np.int32)          # pages 1..b, offset 3
     put(ex, "positions", pos), put(ex, "kv_slots", slots)
@@ -588,7 +600,9 @@ def test_decode_gemv_rope_tail(ex8b, b):
     kh = qkv[:, s.q_dim:s.q_dim + s.kv_dim].reshape(b, s.n_kv_heads, s.head_dim)
     vh = qkv[:, s.q_dim + s.kv_dim:].reshape(b, s.n_kv_heads, s.head_dim)
     cos, sin = cos_sin(s, 0, pos.astype(np.int64))
-    qr, kr = apply_rope(rms_norm(qh, qn, s.norm_eps), cos, sin), apply_rope(rms_norm(kh, kn, s.norm_eps), cos, sin)
+    if qk_norm:
+        qh, kh = rms_norm(qh, qn, s.norm_eps), rms_norm(kh, kn, s.norm_eps)
+    qr, kr = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
     assert rel(q16.view(np.float16).astype(np.float32), qr.reshape(-1)) <= TOL
     assert rel(kc, kr) <= TOL and rel(vc, vh) <= TOL
     # qkv_rope_cache_f16 (prefill's launch for layer 0) from the same float32 rows: the same bits
@@ -654,7 +668,7 @@ def test_decode_gemv_pair(ex8b):
     writes the same."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
-    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-pair")), use_graphs=False)
+    ex = CudaExecutor(load_bundle(gpu_bundle(ex8b.test_bundle + "-pair")), use_graphs=False)
     try:
         s = ex.spec
         i, x = find(ex, "decode", 1, "gemv_ring_pair_nvfp4")
@@ -668,8 +682,9 @@ def test_decode_gemv_pair(ex8b):
         put(ex, "x", base)
         put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
         random_weights(ex, x, [10, 11, 12], nq, kq, rng)
-        for c in (17, 18):                                   # q / k norm weights
-            put(ex, buf(x, c), rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32))
+        for c in (17, 18):                                   # q / k norm weights (Qwen3; Llama has none)
+            if buf(x, c) is not None:
+                put(ex, buf(x, c), rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32))
         slot = ex.page_size + 3
         put(ex, "positions", np.array([int(rng.integers(0, ex.max_context))], np.int32))
         put(ex, "kv_slots", np.array([slot], np.int32))
@@ -677,8 +692,9 @@ def test_decode_gemv_pair(ex8b):
 
         def counts_left(e):
             assert not get(e, "rope_count", np.int32, heads).any(), "a head's count left"
-        outs = pair_case(ex, i, ex8b, [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12, 17, 18)]
-                         + ["positions", "kv_slots"], base, ["hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"],
+        inputs = [buf(x, c) for c in (0, 1, 2, 3, 4, 7, 10, 11, 12, 17, 18) if buf(x, c) is not None]
+        outs = pair_case(ex, i, ex8b, inputs + ["positions", "kv_slots"], base,
+                         ["hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v"],
                          lambda e: pair_outputs(e, na, nq, slot),
                          [("gemv_ringxr_nvfp4_nb1", "layers.0.down.codes"),
                           ("gemv_ring3_rope_nvfp4_nb1", "layers.1.qkv.codes")], counts_left)
@@ -697,7 +713,7 @@ def test_decode_gemv_pair_gated(ex8b):
     to float64 by the tests above); its barrier count back at 0, so a second launch writes the same."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor_cuda import CudaExecutor
-    ex = CudaExecutor(load_bundle(gpu_bundle("syn-qwen3-8b-2l-pair")), use_graphs=False)
+    ex = CudaExecutor(load_bundle(gpu_bundle(ex8b.test_bundle + "-pair")), use_graphs=False)
     try:
         i, x = find(ex, "decode", 1, "gemv_ring_pair_gated_nvfp4")
         assert [buf(x, c) for c in (0, 4, 8, 9, 13, 17)] == ["attn", "x", "hb", "norm_part", "ab", "pair_bar"]

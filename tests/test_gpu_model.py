@@ -348,7 +348,8 @@ def test_synthetic_runs():
 @pytest.mark.parametrize("name,context", [("syn-qwen3-0.6b", 10), ("syn-qwen3-0.6b", 300), ("syn-qwen3-0.6b", 3000),
                                           ("qwen3-wide", 10), ("qwen3-wide", 300), ("qwen3-wide-i8", 300),
                                           ("syn-qwen3-8b-2l", 300), ("syn-qwen3-8b-2l-rolled", 300),
-                                          ("syn-qwen3-8b-2l-pair", 300),
+                                          ("syn-qwen3-8b-2l-pair", 300), ("syn-llama-8b-2l", 300),
+                                          ("syn-llama-8b-2l-pair", 300),
                                           ("qwen3-rope", 10), ("qwen3-rope", 300)])
 def test_decode_is_batch_invariant(name, context):
     """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
@@ -360,7 +361,8 @@ def test_decode_is_batch_invariant(name, context):
     GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*, at one row gemv_ring3_rope_*, qkv_rope's work in its tail,
     the others its launch after; the test bundle runs 8 rows on them too; one row's
     gate_up on the unrolled loop, -rolled: on the rolled one, --no-gemv-ring-unroll; -pair: one row's down and the next
-    qkv in one launch, --gemv-pair, the other batches their two launches); qwen3-rope, whose decode attention appends
+    qkv in one launch, --gemv-pair, the other batches their two launches; syn-llama-8b-2l: the Llama-3.1-8B shape's, down
+    7 stages a warp, no q/k norm); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle
     from imp_runtime.executor import StepRow

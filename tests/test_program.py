@@ -702,8 +702,10 @@ def test_decode_gemv_residual_read_before_the_wait():
 
 
 
-def test_gemv_pair_program():
-    """--gemv-pair (off by default): at one decode row of the 8B shape, each layer's o and gate_up are one launch,
+@pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.1-8b"])
+def test_gemv_pair_program(shape):
+    """--gemv-pair (off by default): at one decode row of the 8B shapes (Qwen3's; Llama-3.1's: down 7 stages a warp, no
+    q / k norm), each layer's o and gate_up are one launch,
     gemv_ring_pair_gated_nvfp4_nb1, and each layer's down and the next layer's qkv another, gemv_ring_pair_nvfp4_nb1
     (templates/gemv_ring_pair.cu.j2): the first GEMV's arguments (its activation, weights, x, N, K, the next norm's
     weight, planes and partial sums), then the second's (weights, out, N, K; gate_up's activation format; qkv's rope
@@ -719,7 +721,7 @@ def test_gemv_pair_program():
     from impc.targets import load_target
     from runtime.executor_cuda import barrier_grid, barrier_launches
     from tests.test_templates_compile import SHAPES, default_formats
-    spec = SHAPES["qwen3-8b"]
+    spec = SHAPES[shape]
     formats = default_formats(spec)
     t = load_target("sm_90a")
     n = spec.n_layers

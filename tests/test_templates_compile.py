@@ -37,6 +37,10 @@ SHAPES = {
     "qwen3-8b": ModelSpec(family="qwen3", vocab_size=151936, hidden=4096, n_layers=36, n_heads=32, n_kv_heads=8,
                           head_dim=128, intermediate=12288, norm_eps=1e-6, rope_theta=1e6, max_position=40960,
                           qk_norm=True),
+    # Llama-3.1-8B's layers: down's K 14,336 (the one-row unrolled down and --gemv-pair's first GEMV at 7 stages a warp)
+    "llama-3.1-8b": ModelSpec(family="llama", vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              head_dim=128, intermediate=14336, norm_eps=1e-5, rope_theta=5e5, max_position=131072,
+                              rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_position=8192)),
 }
 
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# What a GPU session needs from the compiling machine (bundles, cubins), built into build/kit/ and packed as one xz
+# archive: cubins compress well (the GPU test bundles' 49 MB are ~4 MB, pair_check.sh's 33 MB ~0.8 MB), so the whole
+# suite, the check scripts' bundles and the bench bundles travel together instead of a few at a time.
+#   scripts/gpu_kit.sh build ARCHIVE [PART ...]   here (nvcc wheels in .venv): each PART built under build/kit/ (what is
+#                                                 already there is kept), then build/kit/ packed into ARCHIVE (.tar.xz)
+#       suite   every GPU test bundle (scripts/build_gpu_bundles.py) in build/kit/tb (the default, with pair and bench)
+#       pair    scripts/pair_check.sh build build/kit/pc (the 8B shape with and without --gemv-pair, timer builds)
+#       bench   the synthetic 8B (--vram 40) and SmolLM2 (--vram 8) shapes' default bundles, build/kit/bench/{T,S}
+#       cutlass scripts/cutlass_check.sh build build/kit/cc (needs CUTLASS's headers)
+#   scripts/gpu_kit.sh unpack ARCHIVE             on the GPU machine, in the project's root: ARCHIVE into build/kit/
+#   scripts/gpu_kit.sh suite OUT [kernels|model]  on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
+#                                                 the whole GPU test suite on build/kit/tb (or one of its halves: the
+#                                                 kernel tests; the model, engine and scheduler tests), logs in OUT
+# A GPU call then reads, e.g.:
+#   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite $OUT
+set -uo pipefail
+USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass ...] | unpack ARCHIVE | suite OUT [kernels|model]"
+MODE=${1:?$USAGE}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+KIT=$ROOT/build/kit
+case $MODE in
+  build)
+    ARCHIVE=${2:?$USAGE}
+    shift 2
+    PY=${PYTHON:-$ROOT/.venv/bin/python}
+    PARTS=${*:-suite pair bench}
+    mkdir -p "$KIT"
+    for part in $PARTS; do
+      case $part in
+        suite)
+          names=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT/scripts'); import build_gpu_bundles as b; \
+print(' '.join([*b.TINY, *b.SYNTHETIC]))") || exit 1
+          todo=""
+          for n in $names; do [ -f "$KIT/tb/$n/manifest.json" ] || todo="$todo $n"; done
+          [ -z "$todo" ] || IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" $todo || exit 1;;
+        pair) PYTHON=$PY bash "$ROOT/scripts/pair_check.sh" build "$KIT/pc" || exit 1;;
+        bench)
+          for b in T S; do
+            out="$KIT/bench/$b"
+            cfg=$([ $b = T ] && echo qwen3-8b.json || echo smollm2-135m.json)
+            vram=$([ $b = T ] && echo 40 || echo 8)
+            [ -f "$out/manifest.json" ] || "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg" -o "$out" \
+              --target sm_90a --vram $vram -q || exit 1
+          done;;
+        cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
+        *) echo "unknown part $part" >&2; echo "$USAGE" >&2; exit 2;;
+      esac
+    done
+    mkdir -p "$(dirname "$ARCHIVE")"
+    XZ_OPT=${XZ_OPT:--6 -T0} tar -C "$ROOT/build" -cJf "$ARCHIVE" kit || exit 1
+    echo "$(du -sh "$KIT" | cut -f1) in build/kit -> $(du -h "$ARCHIVE" | cut -f1) in $ARCHIVE"
+    ;;
+  unpack)
+    ARCHIVE=${2:?$USAGE}
+    mkdir -p "$ROOT/build"
+    tar -C "$ROOT/build" -xJf "$ARCHIVE" || exit 1
+    echo "unpacked: $(ls "$KIT" | tr '\n' ' ')($(du -sh "$KIT" | cut -f1))"
+    ;;
+  suite)
+    OUT=${2:?$USAGE}
+    WHICH=${3:-all}
+    mkdir -p "$OUT"
+    cd "$ROOT" || exit 1
+    export IMP_GPU_BUNDLES="$KIT/tb"
+    # two halves with their own time limits (the whole suite took ~370 s without the bundles the copy's size limit
+    # used to leave out), so a half that runs long still leaves the other's summary
+    part() {  # NAME LIMIT FILES...
+      local name=$1 limit=$2
+      shift 2
+      timeout "$limit" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider -m gpu --tb=short --durations=10 "$@" \
+        > "$OUT/tests-$name.log" 2>&1
+      echo "tests ($name): $(tail -1 "$OUT/tests-$name.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests-$name.log" | head -16
+    }
+    case $WHICH in all|kernels) part kernels 330 tests/test_gpu_kernels.py;; esac
+    case $WHICH in
+      all|model) part model 230 tests/test_gpu_model.py tests/test_gpu_engine.py tests/test_pipelined_scheduler.py;;
+    esac
+    ;;
+  *) echo "$USAGE" >&2; exit 2;;
+esac
