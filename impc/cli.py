@@ -327,7 +327,8 @@ def _inspect_program(bundle, target: str | None, as_json: bool) -> int:
         env = dict(prog.symbols, rows=ph.tokens)
         buckets.append({"phase": ph.phase, "tokens": ph.tokens, "launches": [
             {"kernel": x.kernel, "grid": [evaluate(g, env) for g in x.grid], "block": list(x.block), "smem": x.smem,
-             "reads": sum(n for _, n in x.reads), "writes": sum(n for _, n in x.writes)} for x in ph.launches]})
+             "reads": sum(n for _, n in x.reads), "writes": sum(n for _, n in x.writes),
+             **({"fallback": [f.kernel for f in x.fallback]} if x.fallback else {})} for x in ph.launches]})
     if as_json:
         print(json.dumps({"target": target, "buckets": buckets}, indent=1))
         return 0
@@ -340,7 +341,8 @@ def _inspect_program(bundle, target: str | None, as_json: bool) -> int:
               f"writes {writes / 2**20:.2f} MiB")
         for i, x in enumerate(bk["launches"]):
             print(f"  {i:4d} {x['kernel']:26s} grid {str(tuple(x['grid'])):16s} block {str(tuple(x['block'])):14s} "
-                  f"smem {x['smem']:6d}  reads {x['reads']:>11,d}  writes {x['writes']:>11,d}")
+                  f"smem {x['smem']:6d}  reads {x['reads']:>11,d}  writes {x['writes']:>11,d}"
+                  + (f"  (where its grid cannot be resident: {' + '.join(x['fallback'])})" if "fallback" in x else ""))
     return 0
 
 

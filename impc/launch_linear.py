@@ -154,13 +154,22 @@ class _Emitter:
     launches: list[Launch] = field(default_factory=list)
     no_pdl_next: bool = False       # the next launch waits for its predecessor to finish (see decode's attention)
 
-    def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0) -> None:
+    def add(self, kernel: str, grid, block, args, reads, writes, smem: int = 0, fallback=()) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         pdl, self.no_pdl_next = self.pdl and not self.no_pdl_next, False
         self.launches.append(Launch(kernel, grid, block, smem, pdl and kernel.startswith(PDL_KERNELS),
                                     tuple(args), tuple((b, int(n)) for b, n in reads if n),
-                                    tuple((b, int(n)) for b, n in writes if n)))
+                                    tuple((b, int(n)) for b, n in writes if n), tuple(fallback)))
+
+    def take(self, emit) -> tuple[Launch, ...]:
+        """The launches emit() adds, taken back out (and the PDL state as before it): a fused launch's fallback."""
+        n, no_pdl_next = len(self.launches), self.no_pdl_next
+        emit()
+        taken = tuple(self.launches[n:])
+        del self.launches[n:]
+        self.no_pdl_next = no_pdl_next
+        return taken
 
     def add_mode(self, kernel: str, mode: int, out: str) -> int:
         """A per-block decode GEMV's residual add (mode 1) as GV_ADD_EARLY (2: templates/gemv.cu.j2, out's values read
@@ -492,10 +501,12 @@ class LinearLaunches:
         return (kd == "gemv_ringxr_nvfp4_nb1" and self.rope_tail_ok(kq, qkv, 0) and self.ring_stages(qkv, False) == 2
                 and down.n // 16 <= GR_BLOCKS * self.sm_count and qkv.n // 16 <= bt * GR_BLOCKS * self.sm_count)
 
-    def linear_pair(self, e: _Emitter, i: int, down: _Lin, qkv: _Lin, norm: str, rope_inputs: list) -> None:
+    def linear_pair(self, e: _Emitter, i: int, down: _Lin, qkv: _Lin, norm: str, rope_inputs: list,
+                    fallback: tuple = ()) -> None:
         """Layer i's down (x += ab @ Wd^T, the next norm's planes in hb and partial sums in norm_part) and layer i + 1's
         qkv (qkv = hb @ Wq^T scaled by the norm, q and layer i + 1's KV pages by its rope tail) in one launch at one
-        row (pair_ok): the two launches' arguments and bytes, and the grid barrier's count (pair_bar)."""
+        row (pair_ok): the two launches' arguments and bytes, and the grid barrier's count (pair_bar); fallback: the
+        two launches, for a GPU that cannot hold the grid at once (runtime/program.py unfuse)."""
         s, h = self.spec, self.spec.hidden
         kern, _, smem = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
         kern = "gemv_ring_pair_nvfp4_nb1"
@@ -511,7 +522,7 @@ class LinearLaunches:
               [ptr("ab"), *down.weight_args(), ptr("x"), i32(down.n), i32(down.k), ptr(norm), ptr("hb"),
                ptr("norm_part"), *qkv.weight_args(), ptr("qkv"), i32(qkv.n), i32(qkv.k), *rope_inputs, ptr("q"),
                ptr(f"kv.{j}.k"), ptr(f"kv.{j}.v"), ptr("rope_count"), ptr("pair_bar")],
-              reads, writes, smem=smem)
+              reads, writes, smem=smem, fallback=fallback)
 
     def pair_gated_ok(self, o: _Lin, gate_up: _Lin, nb: int) -> bool:
         """--gemv-pair: one row's o GEMV and gate_up in one launch (templates/gemv_ring_pair.cu.j2
@@ -527,10 +538,11 @@ class LinearLaunches:
         return (ko == "gemv_ringx_nvfp4_nb1" and kg == "gemv_ringxr_gated_nvfp4_nb1"
                 and self.ring_stages(o, False) == o.k // 2048 and o.n // 16 <= GR_BLOCKS * self.sm_count)
 
-    def linear_pair_gated(self, e: _Emitter, o: _Lin, gate_up: _Lin, norm: str, ofmt: int) -> None:
+    def linear_pair_gated(self, e: _Emitter, o: _Lin, gate_up: _Lin, norm: str, ofmt: int,
+                          fallback: tuple = ()) -> None:
         """o (x += attn @ Wo^T, the next norm's planes in hb and partial sums in norm_part) and gate_up (ab = act(gate) *
         up of hb @ Wg^T scaled by the norm, in activation format ofmt) in one launch at one row (pair_gated_ok): the
-        two launches' arguments and bytes, and the grid barrier's count (pair_bar)."""
+        two launches' arguments and bytes, and the grid barrier's count (pair_bar); fallback: the two launches."""
         h, m = self.spec.hidden, 1
         kern = "gemv_ring_pair_gated_nvfp4_nb1"
         smem = max(self.gemv_launch("gemv_nvfp4_nb1", o, 1, o.n // 16)[2],
@@ -543,7 +555,7 @@ class LinearLaunches:
         e.add(kern, (GR_BLOCKS * self.sm_count,), (256,),
               [ptr("attn"), *o.weight_args(), ptr("x"), i32(o.n), i32(o.k), ptr(norm), ptr("hb"), ptr("norm_part"),
                *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(ofmt), ptr("pair_bar")],
-              reads, writes, smem=smem)
+              reads, writes, smem=smem, fallback=fallback)
 
     def ring_ok(self, lin: _Lin, nb: int, gated: bool = False) -> bool:
         """The decode GEMV of lin on gemv_ring_* (Hopper; NVFP4 whose K splits into whole ring stages a warp, so the

@@ -278,6 +278,22 @@ class ProgramBuilder(LinearLaunches):
             window = s.sliding_window if s.kind(i) == "sliding" else 0
             attention(e, i, window, fmt(o))
             gpaired = False          # o's launch did gate_up too (pair_gated_ok)
+
+            def o_gemv():
+                self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None,
+                            partial_norm=p + "ffn_norm" if scaled else None)
+
+            def gate_up_gemv():          # the decode GEMV of gate_up (its norm a launch before unless scaled)
+                if not scaled:
+                    self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
+                kern, grid, smem = self.gemv_launch(f"gemv_gated_{gate_up.fmt}_nb{nb}", gate_up, nb,
+                                                    (gate_up.n // 2 + 15) // 16)
+                norm_args, norm_reads, _ = self.ring_norm(kern, gate_up, m, None, scaled)
+                e.add(kern, (grid,), (256,),
+                      [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
+                       i32(xfmt(down.fmt)), *norm_args],
+                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)] + norm_reads,
+                      [("ab", 2 * m * s.intermediate * 2)], smem=smem)
             if s.sandwich_norm:
                 self.linear(e, "attn", o, "t", rows, 0, dec, split_k, nb)
                 self.rmsnorm_add(e, "t", p + "post_attn_norm", rows)
@@ -287,29 +303,19 @@ class ProgramBuilder(LinearLaunches):
                 # where both run the ring GEMV (ring_norm_ok)
                 normed = self.wq_norm_tail_ok(o, gate_up)
                 scaled = self.ring_norm_ok(o, gate_up, dec, nb)
-                # ... or with gate_up in its launch (--gemv-pair)
+                # ... or with gate_up in its launch (--gemv-pair; its fallback: the two launches it does the work of)
                 gpaired = dec and self.pair_gated_ok(o, gate_up, nb)
                 if gpaired:
-                    self.linear_pair_gated(e, o, gate_up, p + "ffn_norm", xfmt(down.fmt))
+                    self.linear_pair_gated(e, o, gate_up, p + "ffn_norm", xfmt(down.fmt),
+                                           fallback=e.take(lambda: (o_gemv(), gate_up_gemv())))
                 else:
-                    self.linear(e, "attn", o, "x", rows, 1, dec, split_k, nb, norm=p + "ffn_norm" if normed else None,
-                                partial_norm=p + "ffn_norm" if scaled else None)
+                    o_gemv()
             if gpaired:
                 pass                     # (gate_up ran in o's launch)
             elif self.norm_fused(gate_up, dec, nb):
                 self.gemv_norm(e, p + "ffn_norm", gate_up, "ab", xfmt(down.fmt), gated=True)
             elif dec:
-                if not scaled:
-                    self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
-                ofmt = xfmt(down.fmt)
-                kern, grid, smem = self.gemv_launch(f"gemv_gated_{gate_up.fmt}_nb{nb}", gate_up, nb,
-                                                    (gate_up.n // 2 + 15) // 16)
-                norm_args, norm_reads, _ = self.ring_norm(kern, gate_up, m, None, scaled)
-                e.add(kern, (grid,), (256,),
-                      [ptr("hb"), *gate_up.weight_args(), ptr("ab"), i32(gate_up.n), i32(gate_up.k), i32(rows),
-                       i32(ofmt), *norm_args],
-                      gate_up.reads() + [("hb", 2 * m * gate_up.k * 2)] + norm_reads,
-                      [("ab", 2 * m * s.intermediate * 2)], smem=smem)
+                gate_up_gemv()
             elif self.wq_ok(gate_up):
                 if not normed:
                     self.rmsnorm(e, "x", p + "ffn_norm", "hb", rows, fmt(gate_up))
@@ -334,12 +340,21 @@ class ProgramBuilder(LinearLaunches):
                 scaled = nxt is not None and self.ring_norm_ok(down, nxt, dec, nb)
                 # ... or with the next layer's qkv in its launch (--gemv-pair)
                 paired = dec and nxt is not None and self.pair_ok(down, nxt, nb, rope_in_attention)
-                if paired:
-                    self.linear_pair(e, i, down, nxt, f"layers.{i + 1}.attn_norm", self.rope_inputs(i + 1))
-                else:
+
+                def down_gemv():
                     self.linear(e, "ab", down, "x", rows, 1, dec, split_k, nb,
                                 norm=f"layers.{i + 1}.attn_norm" if normed else None,
                                 partial_norm=f"layers.{i + 1}.attn_norm" if scaled else None)
+
+                def next_qkv_gemv():     # (what the next layer's turn launches unpaired: the GEMV and its rope tail)
+                    tail = self.linear(e, "hb", nxt, "qkv", rows, 0, dec, split_k, nb, scaled=scaled,
+                                       rope=(i + 1, self.rope_inputs(i + 1)))
+                    assert scaled and tail, "pair_ok: the next qkv reads the norm's partial sums, with the rope tail"
+                if paired:              # (its fallback: the two launches it does the work of)
+                    self.linear_pair(e, i, down, nxt, f"layers.{i + 1}.attn_norm", self.rope_inputs(i + 1),
+                                     fallback=e.take(lambda: (down_gemv(), next_qkv_gemv())))
+                else:
+                    down_gemv()
 
     def head(self, e: _Emitter, rows, dec: bool, nb: int, split_k: bool, x_off=0) -> None:
         s, m = self.spec, ev(rows, self.rows_max, self.MB)

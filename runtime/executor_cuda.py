@@ -14,6 +14,7 @@ graphs' unused rows use.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from imp_runtime.cuda_arena import NP_DTYPES, DeviceArena
 from imp_runtime.cuda_driver import CudaError, Module, PinnedBuffer, check, cu, gpu_available, htod, new_event
 from imp_runtime.cuda_program import BoundPhase
 from imp_runtime.executor import PrefillChunk, StepResult, StepRow
-from imp_runtime.program import pack_step
+from imp_runtime.program import ProgramError, pack_step, unfuse
 from imp_runtime.sampler import SamplingParams
 
 __all__ = ["CudaExecutor", "gpu_available", "CudaError"]
@@ -71,6 +72,18 @@ def barrier_launches(program) -> list:
 def barrier_grid(program) -> int:
     """The largest grid of those launches, or 0 where there are none."""
     return max((x.grid[0] for x in barrier_launches(program)), default=0)
+
+
+def resident_program(program, holds) -> tuple[object, list[str]]:
+    """The program a GPU runs that holds holds(launch) blocks of a launch at once: each grid-barrier launch whose grid
+    it cannot hold (its barrier would never return) replaced by its fallback launches (runtime/program.py unfuse: the
+    launches it fuses, the same bits); (that program, the kernels replaced). Raises ProgramError where such a launch
+    has no fallback."""
+    short = sorted({x.kernel for x in barrier_launches(program) if x.grid[0] > holds(x)})
+    return (unfuse(program, set(short)) if short else program), short
+
+
+_log = logging.getLogger("imp.executor")
 
 
 class CudaExecutor:
@@ -120,13 +133,22 @@ class CudaExecutor:
         self.module = Module(bundle.file(kern["cubins"][self.target]).read_bytes(), *more)
         for name, nbytes in p.kernel_smem.items():
             self.module.set_max_dynamic_smem(name, nbytes)
-        for x in barrier_launches(p):    # every block resident at once, or the barrier never returns
-            fits = sms * check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.module.func(x.kernel), x.block[0],
-                                                                               x.smem))
-            if x.grid[0] > fits:
-                raise BundleError(f"{bundle.path}: its decode step runs {x.kernel}, {x.grid[0]} blocks that wait for "
-                                  f"each other (--gemv-pair), and this GPU ({self.gpu_name}) holds {fits} of them at "
-                                  f"once; rebuild with `impc compile ... --no-gemv-pair`")
+
+        def holds(x) -> int:             # blocks of launch x this GPU holds at once
+            return sms * check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.module.func(x.kernel), x.block[0],
+                                                                              x.smem))
+        try:                             # a grid barrier's blocks all resident at once, or it never returns
+            p, unfused = resident_program(p, holds)
+            self.program = p
+        except ProgramError:
+            x = next(x for x in barrier_launches(p) if x.grid[0] > holds(x))
+            raise BundleError(f"{bundle.path}: its decode step runs {x.kernel}, {x.grid[0]} blocks that wait for "
+                              f"each other (--gemv-pair), and this GPU ({self.gpu_name}) holds {holds(x)} of them at "
+                              f"once; rebuild with `impc compile ... --no-gemv-pair`") from None
+        if unfused:
+            _log.warning("%s: this GPU (%s, %d SMs) cannot hold all the blocks of %s at once (--gemv-pair): "
+                         "one-row decode runs the launches they fuse instead (the same results, a little slower)",
+                         bundle.path, self.gpu_name, sms, ", ".join(unfused))
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
         self.arena = DeviceArena(p, bundle, self.stream, self.gpu_name)
         self.phases = {(ph.phase, ph.tokens): BoundPhase(ph, self.module, self.arena, p.symbols) for ph in p.phases}

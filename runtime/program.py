@@ -20,13 +20,16 @@ decode rows riding along, rows 0 .. dec-1, and its chunk's tokens, rows dec .. r
 chunk's first token), `slot` (the chunk's sequence's block-table row), `row0` (first row of x the logits are
 taken from), `schunks` (the prompt-ending chunks whose first token the call samples) and `srows` (= dec + schunks,
 the rows of its head and sampler). `symbols` gives each symbol's largest value, which validation uses to bound every reference; a
-launch whose grid evaluates to zero blocks at a step's values is skipped that step.
+launch whose grid evaluates to zero blocks at a step's values is skipped that step. A launch may carry `fallback`
+launches doing its work where its own cannot run (a grid-barrier launch on a GPU that cannot hold its whole grid at
+once: `unfuse`).
 
 `validate` is run by the compiler before it writes a bundle and by the runtime when it loads one, so a
 corrupted or inconsistent program is a one-line error, never a wild pointer on the GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -66,6 +69,10 @@ class Launch:
     args: tuple[dict, ...]
     reads: tuple[tuple[str, int], ...]
     writes: tuple[tuple[str, int], ...]
+    # the launches that do this one's work where it cannot run: a launch whose blocks wait for each other (a grid
+    # barrier: --gemv-pair) needs them all resident at once, and a GPU with fewer SMs than the target's cannot hold
+    # them; the runtime runs these instead (unfuse). Empty for every other launch (and then not written).
+    fallback: tuple["Launch", ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,8 @@ def symbols_of(v) -> set[str]:
 def _launch(d: dict) -> Launch:
     return Launch(kernel=d["kernel"], grid=tuple(d["grid"]), block=tuple(d["block"]), smem=int(d["smem"]),
                   pdl=bool(d["pdl"]), args=tuple(d["args"]), reads=tuple((b, int(n)) for b, n in d["reads"]),
-                  writes=tuple((b, int(n)) for b, n in d["writes"]))
+                  writes=tuple((b, int(n)) for b, n in d["writes"]),
+                  fallback=tuple(_launch(f) for f in d.get("fallback", ())))
 
 
 def from_dict(d: dict) -> Program:
@@ -185,8 +193,11 @@ def from_dict(d: dict) -> Program:
 
 def to_dict(p: Program) -> dict:
     def launch(x: Launch) -> dict:
-        return {"kernel": x.kernel, "grid": list(x.grid), "block": list(x.block), "smem": x.smem, "pdl": x.pdl,
-                "args": list(x.args), "reads": [list(r) for r in x.reads], "writes": [list(w) for w in x.writes]}
+        d = {"kernel": x.kernel, "grid": list(x.grid), "block": list(x.block), "smem": x.smem, "pdl": x.pdl,
+             "args": list(x.args), "reads": [list(r) for r in x.reads], "writes": [list(w) for w in x.writes]}
+        if x.fallback:
+            d["fallback"] = [launch(f) for f in x.fallback]
+        return d
     bufs = []
     for b in p.buffers.values():
         e = {"name": b.name, "offset": b.offset, "bytes": b.bytes, "dtype": b.dtype, "shape": list(b.shape),
@@ -250,6 +261,28 @@ def validate(p: Program, kernels: set[str] | None, max_smem: int | None = None) 
         for i, x in enumerate(ph.launches):
             at = f"{where}, {ph.phase} {ph.tokens}, launch {i} ({x.kernel})"
             _check_launch(p, x, env, kernels, max_smem, at, graph=ph.phase == "decode")
+            for j, f in enumerate(x.fallback):
+                if f.fallback:
+                    raise ProgramError(f"{at}: its fallback launch {j} ({f.kernel}) has a fallback of its own")
+                _check_launch(p, f, env, kernels, max_smem, f"{at}, fallback launch {j} ({f.kernel})",
+                              graph=ph.phase == "decode")
+
+
+def unfuse(p: Program, kernels: set[str]) -> Program:
+    """The program with every launch of a kernel in `kernels` replaced by its fallback launches (the runtime's way out
+    where a GPU cannot hold such a launch's blocks at once: its grid barrier would never return). Raises ProgramError
+    for such a launch without a fallback."""
+    def expand(ph: Phase) -> Phase:
+        out = []
+        for x in ph.launches:
+            if x.kernel not in kernels:
+                out.append(x)
+            elif x.fallback:
+                out.extend(x.fallback)
+            else:
+                raise ProgramError(f"program for {p.target}, {ph.phase} {ph.tokens}: {x.kernel} has no fallback")
+        return Phase(ph.phase, ph.tokens, tuple(out))
+    return dataclasses.replace(p, phases=[expand(ph) for ph in p.phases])
 
 
 def _check_tmap(p: Program, t, at: str) -> None:

@@ -391,3 +391,45 @@ def test_decode_is_batch_invariant(name, context):
             s.close()
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("name", ["syn-qwen3-8b-2l-pair", "syn-llama-8b-2l-pair"])
+def test_gemv_pair_unfused_where_the_grid_does_not_fit(name, monkeypatch):
+    """--gemv-pair on a GPU that cannot hold a pair launch's whole grid at once (its grid barrier would never return;
+    simulated: the occupancy API answering one block an SM): the executor runs the two launches each pair fuses
+    (runtime/program.py unfuse), no pair launch left in its program, and one sequence's logits over four one-row steps
+    at context 300 are bit for bit the paired run's (the fused and unfused launches are the same arithmetic)."""
+    from imp_runtime import executor_cuda
+    from imp_runtime.bundle import load_bundle
+    from imp_runtime.executor import StepRow
+    from imp_runtime.executor_cuda import CudaExecutor
+
+    def logits(ex) -> list:
+        rng = np.random.default_rng(300)
+        s = solo(ex)
+        tok, out = int(np.argmax(s.prefill(rng.integers(3, ex.vocab, 300).tolist()))), []
+        for _ in range(4):
+            s._cover(s.length + 1)
+            res = ex.decode([StepRow(s.sid, tok, s.length, want_logits=True)])
+            out.append(res.logits[0])
+            tok, s.length = res.tokens[0], s.length + 1
+        s.close()
+        return out
+
+    kinds = {"gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}
+    ex = CudaExecutor(load_bundle(gpu_bundle(name)))
+    try:
+        assert kinds <= {x.kernel for x in ex.program.phase("decode", 1).launches}
+        paired = logits(ex)
+    finally:
+        ex.close()
+    ok = executor_cuda.cu.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(executor_cuda.cu, "cuOccupancyMaxActiveBlocksPerMultiprocessor", lambda f, b, s: (ok, 1))
+    ex = CudaExecutor(load_bundle(gpu_bundle(name)))
+    try:
+        assert not kinds & {x.kernel for ph in ex.program.phases for x in ph.launches}
+        unfused = logits(ex)
+    finally:
+        ex.close()
+    for step, (u, v) in enumerate(zip(paired, unfused)):
+        assert np.array_equal(u, v), f"step {step}: the unfused launches' logits differ from the pairs'"

@@ -767,6 +767,41 @@ def test_gemv_pair_program(shape):
         # the rest of the step as without the option: the first qkv and the last down alone
         paired = downs[:-1] + qkvs[1:] + os_ + gus
         assert [x for x in pa.launches if x.kernel not in kinds] == [x for x in pb.launches if x not in paired]
+        # each pair carries the two launches it replaces as its fallback (a GPU that cannot hold its grid at once)
+        assert all(x.fallback == (d, q) for x, d, q in zip(pairs, downs, qkvs[1:]))
+        assert all(x.fallback == (o, g) for x, o, g in zip(gpairs, os_, gus))
+    # the runtime's way out on such a GPU (runtime/program.py unfuse): every phase the default program's, and the
+    # fallbacks' kernels allowed their shared memory; the fallbacks survive the bundle's JSON and are validated
+    from runtime.program import ProgramError, dumps, loads, unfuse, validate
+    un = unfuse(on, set(kinds))
+    assert [(ph.phase, ph.tokens, [x for x in ph.launches if x.args[0] != {"ptr": "pair_bar"}]) for ph in un.phases] \
+        == [(ph.phase, ph.tokens, list(ph.launches)) for ph in base.phases]
+    assert {k: un.kernel_smem[k] for k in base.kernel_smem} == base.kernel_smem
+    assert unfuse(loads(dumps(on)), set(kinds)).phases[1:] == loads(dumps(base)).phases[1:]   # (past init's fill)
+    assert "fallback" not in dumps(base)
+    with pytest.raises(ProgramError, match="no fallback"):
+        unfuse(base, {"gemv_ringx_nvfp4_nb1"})
+    # the executor's choice by how many blocks of a launch the GPU holds at once (the occupancy API times its SMs)
+    from runtime.executor_cuda import resident_program
+    grid = 2 * t["sm_count"]
+    same, short = resident_program(on, lambda x: grid)
+    assert same is on and short == []
+    fewer, short = resident_program(on, lambda x: 2 * 114)          # a part of 114 SMs, two blocks each
+    assert short == sorted(kinds) and dumps(fewer) == dumps(un)      # (the runtime's module: compared as JSON)
+    one, short = resident_program(on, lambda x: grid if x.kernel == kinds[1] else grid - 1)
+    assert short == [kinds[0]]
+    assert [x.kernel for x in one.phase("decode", 1).launches].count(kinds[1]) == n
+    assert kinds[0] not in {x.kernel for x in one.phase("decode", 1).launches}
+    ph = on.phase("decode", 1)
+    j, x = next((j, x) for j, x in enumerate(ph.launches) if x.kernel == kinds[0])
+    bad = dataclasses.replace(x, fallback=(dataclasses.replace(x.fallback[0], kernel="no_such_kernel"), x.fallback[1]))
+    broken = dataclasses.replace(on, phases=[dataclasses.replace(ph, launches=ph.launches[:j] + (bad,)
+                                                                 + ph.launches[j + 1:]) if p is ph else p
+                                             for p in on.phases])
+    kernels = {y.kernel for p in on.phases for z in p.launches for y in (z, *z.fallback)} | set(on.kernel_smem)
+    validate(on, kernels)
+    with pytest.raises(ProgramError, match="fallback launch 0"):
+        validate(broken, kernels)
     for k in kinds:
         assert k in kernels_not_launched(spec, t, ProgramOptions())
         assert k not in kernels_not_launched(spec, t, ProgramOptions(gemv_pair=True))
