@@ -141,7 +141,7 @@ class CudaExecutor:
             p, unfused = resident_program(p, holds)
             self.program = p
         except ProgramError:
-            x = next(x for x in barrier_launches(p) if x.grid[0] > holds(x))
+            x = next(x for x in barrier_launches(p) if x.grid[0] > holds(x) and not x.fallback)
             raise BundleError(f"{bundle.path}: its decode step runs {x.kernel}, {x.grid[0]} blocks that wait for "
                               f"each other (--gemv-pair), and this GPU ({self.gpu_name}) holds {holds(x)} of them at "
                               f"once; rebuild with `impc compile ... --no-gemv-pair`") from None

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What a GPU session needs from the compiling machine (bundles, cubins), built into build/kit/ and packed as one xz
-# archive: cubins compress well (the GPU test bundles' 49 MB are ~4 MB, pair_check.sh's 33 MB ~0.8 MB), so the whole
-# suite, the check scripts' bundles and the bench bundles travel together instead of a few at a time.
-#   scripts/gpu_kit.sh build ARCHIVE [PART ...]   here (nvcc wheels in .venv): each PART built under build/kit/ (what is
-#                                                 already there is kept), then build/kit/ packed into ARCHIVE (.tar.xz)
+# archive: cubins of one template set compress well (all of it, 130 MB, is 8.5 MB), so the whole suite, the check
+# scripts' bundles and the bench bundles travel together instead of a few at a time.
+#   scripts/gpu_kit.sh build ARCHIVE [PART ...]   here (nvcc wheels in .venv): build/kit/ emptied (so no bundle of an
+#                                                 older tree is packed; the compile cache makes a rebuild ~3 min), each
+#                                                 PART built under it, then packed into ARCHIVE (.tar.xz)
 #       suite   every GPU test bundle (scripts/build_gpu_bundles.py) in build/kit/tb (the default, with pair and bench)
 #       pair    scripts/pair_check.sh build build/kit/pc (the 8B shape with and without --gemv-pair, timer builds)
 #       bench   the synthetic Qwen3-8B (T), SmolLM2 (S) and Llama-3.1-8B (L) shapes' default bundles (--vram 40, 8,
@@ -13,8 +14,8 @@
 #   scripts/gpu_kit.sh suite OUT [kernels|model]  on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
 #                                                 the whole GPU test suite on build/kit/tb (or one of its halves: the
 #                                                 kernel tests; the model, engine and scheduler tests), logs in OUT
-# A GPU call then reads, e.g.:
-#   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite $OUT
+# On the GPU machine, e.g.:
+#   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite OUT
 set -uo pipefail
 USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass ...] | unpack ARCHIVE | suite OUT [kernels|model]"
 MODE=${1:?$USAGE}
@@ -26,21 +27,16 @@ case $MODE in
     shift 2
     PY=${PYTHON:-$ROOT/.venv/bin/python}
     PARTS=${*:-suite pair bench}
-    mkdir -p "$KIT"
+    rm -rf "$KIT" && mkdir -p "$KIT" || exit 1
     for part in $PARTS; do
       case $part in
-        suite)
-          names=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT/scripts'); import build_gpu_bundles as b; \
-print(' '.join([*b.TINY, *b.SYNTHETIC]))") || exit 1
-          todo=""
-          for n in $names; do [ -f "$KIT/tb/$n/manifest.json" ] || todo="$todo $n"; done
-          [ -z "$todo" ] || IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" $todo || exit 1;;
+        suite) IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" || exit 1;;   # (all of them)
         pair) PYTHON=$PY bash "$ROOT/scripts/pair_check.sh" build "$KIT/pc" || exit 1;;
         bench)
           for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40; do
             IFS=: read -r name cfg vram <<< "$b"
             out="$KIT/bench/$name"
-            [ -f "$out/manifest.json" ] || "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$out" \
+            "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$out" \
               --target sm_90a --vram "$vram" -q || exit 1
           done;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
@@ -60,23 +56,28 @@ print(' '.join([*b.TINY, *b.SYNTHETIC]))") || exit 1
   suite)
     OUT=${2:?$USAGE}
     WHICH=${3:-all}
-    mkdir -p "$OUT"
+    mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
     cd "$ROOT" || exit 1
     export IMP_GPU_BUNDLES="$KIT/tb"
-    # two halves with their own time limits (the whole suite took ~370 s without the bundles the copy's size limit
-    # used to leave out), so a half that runs long still leaves the other's summary
-    part() {  # NAME LIMIT FILES...
-      local name=$1 limit=$2
+    # two halves with their own time limits (the whole suite took ~370 s without the CUTLASS, bf16 and qkv-epilogue
+    # bundles), so a half that runs long still leaves the other's summary
+    part() {  # NAME LIMIT FILES...: pytest's status
+      local name=$1 limit=$2 rc
       shift 2
       timeout "$limit" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider -m gpu --tb=short --durations=10 "$@" \
         > "$OUT/tests-$name.log" 2>&1
+      rc=$?
       echo "tests ($name): $(tail -1 "$OUT/tests-$name.log")"
-      grep -E "^(FAILED|ERROR)" "$OUT/tests-$name.log" | head -16
+      grep -E "^(FAILED|ERROR)" "$OUT/tests-$name.log" | head -16 || true
+      return $rc
     }
-    case $WHICH in all|kernels) part kernels 330 tests/test_gpu_kernels.py;; esac
+    RC=0
+    case $WHICH in all|kernels) part kernels 330 tests/test_gpu_kernels.py || RC=1;; esac
     case $WHICH in
-      all|model) part model 230 tests/test_gpu_model.py tests/test_gpu_engine.py tests/test_pipelined_scheduler.py;;
+      all|model) part model 230 tests/test_gpu_model.py tests/test_gpu_engine.py tests/test_pipelined_scheduler.py \
+        || RC=1;;
     esac
+    exit $RC
     ;;
   *) echo "$USAGE" >&2; exit 2;;
 esac
