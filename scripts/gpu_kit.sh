@@ -8,7 +8,7 @@
 #       suite   every GPU test bundle (scripts/build_gpu_bundles.py) in build/kit/tb (the default, with pair and bench)
 #       pair    scripts/pair_check.sh build build/kit/pc (the 8B shape with and without --gemv-pair, timer builds)
 #       bench   the synthetic Qwen3-8B (T), SmolLM2 (S) and Llama-3.1-8B (L) shapes' default bundles (--vram 40, 8,
-#               40), build/kit/bench/{T,S,L}
+#               40) and Llama-3.1-8B's with --gemv-pair (LP), build/kit/bench/{T,S,L,LP}
 #       cutlass scripts/cutlass_check.sh build build/kit/cc (needs CUTLASS's headers)
 #   scripts/gpu_kit.sh unpack ARCHIVE             on the GPU machine, in the project's root: ARCHIVE into build/kit/
 #   scripts/gpu_kit.sh suite OUT [kernels|model]  on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
@@ -33,11 +33,11 @@ case $MODE in
         suite) IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" || exit 1;;   # (all of them)
         pair) PYTHON=$PY bash "$ROOT/scripts/pair_check.sh" build "$KIT/pc" || exit 1;;
         bench)
-          for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40; do
-            IFS=: read -r name cfg vram <<< "$b"
+          for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40 LP:llama-3.1-8b:40:--gemv-pair; do
+            IFS=: read -r name cfg vram flag <<< "$b"
             out="$KIT/bench/$name"
             "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$out" \
-              --target sm_90a --vram "$vram" -q || exit 1
+              --target sm_90a --vram "$vram" ${flag:+"$flag"} -q || exit 1
           done;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
         *) echo "unknown part $part" >&2; echo "$USAGE" >&2; exit 2;;
