@@ -347,14 +347,15 @@ def test_streamed_gemv_where_whole_stages():
     formats = default_formats(spec)
     for target, streamed in (("sm_90a", True), ("sm_120a", False)):
         t = load_target(target)
-        prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), None)
+        prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64),
+                             ProgramOptions(gemv_pair=False), None)   # (the pairs: test_gemv_pair_program)
         assert prog.options["gemv_max_rows"] == 4 or not streamed      # (Hopper's default for hidden 4096)
         for b in (1, 2, 4, 8):
             if b == 8:
                 # eight rows (--gemv-max-rows 8; the default where hidden < 4096): two n8 groups of the MMA, qkv too
                 # on the persistent grid, two blocks an SM (ring3's registers are for one group)
                 prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64),
-                                     ProgramOptions(gemv_max_rows=8), None)
+                                     ProgramOptions(gemv_max_rows=8, gemv_pair=False), None)
             layer0 = [x for x in prog.phase("decode", b).launches if x.kernel.startswith("gemv_")][:4]
             if not streamed:
                 assert not any("ring" in x.kernel for x in layer0)
@@ -390,8 +391,8 @@ def test_streamed_gemv_where_whole_stages():
     # same grid, shared memory and arguments; every other launch of every phase (o on gemv_ringx_* too) unchanged
     t = load_target("sm_90a")
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
-    base = build_program(spec, formats, t, plan, ProgramOptions(gemv_ring_unroll=False), None)
-    unrolled = build_program(spec, formats, t, plan, ProgramOptions(), None)
+    base = build_program(spec, formats, t, plan, ProgramOptions(gemv_ring_unroll=False, gemv_pair=False), None)
+    unrolled = build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=False), None)
     changed = 0
     for pa, pb in zip(base.phases, unrolled.phases):
         assert (pa.phase, pa.tokens, len(pa.launches)) == (pb.phase, pb.tokens, len(pb.launches))
@@ -469,7 +470,8 @@ def test_rope_in_attention_program():
                 assert kernels.count("qkv_rope_cache_f16") == spec.n_layers
                 assert not any(k.startswith("attn_decode_rope") for k in kernels)
     assert on.kernel_smem["attn_decode_rope_f16"] == ad["smem2"] + 4 * 128 * 2
-    assert kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True)) == {"attn_prefill_f16"} | (
+    omit = kernels_not_launched(spec, t, ProgramOptions(rope_in_attention=True, gemv_pair=False))
+    assert omit == {"attn_prefill_f16"} | (
         {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {      # (--prefill-qkv-epilogue's kernel)
         "gemv_ring3_rope_nvfp4_nb1"} | {                                        # (the rope tail's, below)
         "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}           # (--gemv-pair's)
@@ -494,8 +496,9 @@ def test_qkv_rope_tail_program():
     formats = default_formats(spec)
     t = load_target("sm_90a")
     plan = plan_memory(spec, formats, [t], None, 4096, 64)
-    on = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8), None)
-    off = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8, qkv_rope_tail=False), None)
+    on = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8, gemv_pair=False), None)
+    off = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8, qkv_rope_tail=False, gemv_pair=False),
+                        None)
     heads = spec.n_heads + 2 * spec.n_kv_heads
     assert on.buffers["rope_count"].bytes == heads * 4
     assert any(x.kernel == "fill_f32" and x.args[0]["ptr"] == "rope_count" for x in on.phase("init", 0).launches)
@@ -579,7 +582,7 @@ def test_norm_in_the_decode_gemm_tail_program():
     t = load_target("sm_90a")
     spec = SHAPES["qwen3-8b"]
     f = default_formats(spec)
-    prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(), None)
+    prog = build_program(spec, f, t, plan_memory(spec, f, [t], None, 4096, 64), ProgramOptions(gemv_pair=False), None)
     gemv_rows = prog.options["gemv_max_rows"]
     for ph in prog.phases:
         if ph.phase != "decode":
@@ -644,7 +647,8 @@ def decode_shape_programs():
     for spec in (q8, small):
         formats = default_formats(spec)
         plan = plan_memory(spec, formats, [t], None, 4096, 64)
-        yield spec, spec is small, build_program(spec, formats, t, plan, ProgramOptions(), None)
+        # (without --gemv-pair's one-row launches, whatever the default: test_gemv_pair_program has those)
+        yield spec, spec is small, build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=False), None)
 
 
 def test_o_after_decode_attention_pdl():
@@ -725,7 +729,8 @@ def test_gemv_pair_program(shape):
     formats = default_formats(spec)
     t = load_target("sm_90a")
     n = spec.n_layers
-    base = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), None)
+    base = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64),
+                         ProgramOptions(gemv_pair=False), None)
     on = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64, gemv_pair=True),
                        ProgramOptions(gemv_pair=True), None)
     assert "pair_bar" not in base.buffers and on.buffers["pair_bar"].bytes == 4
@@ -803,7 +808,7 @@ def test_gemv_pair_program(shape):
     with pytest.raises(ProgramError, match="fallback launch 0"):
         validate(broken, kernels)
     for k in kinds:
-        assert k in kernels_not_launched(spec, t, ProgramOptions())
+        assert k in kernels_not_launched(spec, t, ProgramOptions(gemv_pair=False))
         assert k not in kernels_not_launched(spec, t, ProgramOptions(gemv_pair=True))
     # with --rope-in-attention, o and gate_up only (no rope-tail qkv); the 0.6B shape neither (its GEMVs differ)
     ria = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64, gemv_pair=True),

@@ -87,7 +87,7 @@ def test_templates_compile(shape, target):
     pair = ({"gemv_ring_pair_nvfp4_nb1"} if pair_shape(spec) else set()) | (
         {"gemv_ring_pair_gated_nvfp4_nb1"} if pair_gated_shape(spec) else set())
     pair = pair if target == "sm_90a" else set()
-    sm90 |= pair                            # two one-row GEMVs in one launch (--gemv-pair, off by default)
+    sm90 |= pair                            # two one-row GEMVs in one launch (--gemv-pair)
     assert symbols == set(EXPECTED) | bf16w | (sm90 if target == "sm_90a" else set())
     formats = default_formats(spec)
     plan = plan_memory(spec, formats, [t], None, min(4096, spec.max_position), 64)
@@ -107,7 +107,8 @@ def test_templates_compile(shape, target):
     if resolve_options(spec, ProgramOptions()).rope_in_attention:      # (the default for tiny-llama's shape)
         assert rope <= launched | {"attn_decode_rope_f16_r3"}
         rope = {"gemv_ring3_rope_nvfp4_nb1"} if target == "sm_90a" else set()   # (the qkv GEMV's rope tail)
-    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue | pair
+    unpaired = set() if ProgramOptions().gemv_pair else pair        # (--gemv-pair's kernels left out without it)
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue | unpaired
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
@@ -158,7 +159,8 @@ def test_prefill_attention_option():
         assert prog.constants["fa_query_tile"] == qt and prog.kernel_smem[kernel] == smem
         assert prog.options["prefill_attention"] == option
         from impc.launches import kernels_not_launched
-        assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option, rope_in_attention=False)) == (
+        assert kernels_not_launched(spec, h, ProgramOptions(prefill_attention=option, rope_in_attention=False,
+                                                            gemv_pair=False)) == (
             {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} | (
             {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {
             "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}     # (--gemv-pair's)
