@@ -83,6 +83,17 @@ def resident_program(program, holds) -> tuple[object, list[str]]:
     return (unfuse(program, set(short)) if short else program), short
 
 
+def mps_enabled(dev) -> bool:
+    """Whether contexts on this device are shared through MPS (False where the driver does not say)."""
+    attr = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_MPS_ENABLED", None)
+    if attr is None:
+        return False
+    try:
+        return bool(check(cu.cuDeviceGetAttribute(attr, dev)))
+    except CudaError:
+        return False
+
+
 _log = logging.getLogger("imp.executor")
 
 
@@ -134,9 +145,14 @@ class CudaExecutor:
         for name, nbytes in p.kernel_smem.items():
             self.module.set_max_dynamic_smem(name, nbytes)
 
+        # Under MPS other processes' kernels share the SMs (and a client may be held to a part of them), which the
+        # occupancy API does not see: a grid barrier could wait for blocks that never become resident, so no launch
+        # with one runs there.
+        mps = mps_enabled(self.dev)
+
         def holds(x) -> int:             # blocks of launch x this GPU holds at once
-            return sms * check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.module.func(x.kernel), x.block[0],
-                                                                              x.smem))
+            return 0 if mps else sms * check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.module.func(x.kernel), x.block[0], x.smem))
         try:                             # a grid barrier's blocks all resident at once, or it never returns
             p, unfused = resident_program(p, holds)
             self.program = p
@@ -146,9 +162,10 @@ class CudaExecutor:
                               f"each other (--gemv-pair), and this GPU ({self.gpu_name}) holds {holds(x)} of them at "
                               f"once; rebuild with `impc compile ... --no-gemv-pair`") from None
         if unfused:
-            _log.warning("%s: this GPU (%s, %d SMs) cannot hold all the blocks of %s at once (--gemv-pair): "
-                         "one-row decode runs the launches they fuse instead (the same results, a little slower)",
-                         bundle.path, self.gpu_name, sms, ", ".join(unfused))
+            why = ("is shared by MPS" if mps else f"({sms} SMs) cannot hold all the blocks of {', '.join(unfused)} "
+                   f"at once")
+            _log.warning("%s: this GPU (%s) %s (--gemv-pair): one-row decode runs the launches they fuse instead "
+                         "(the same results, a little slower)", bundle.path, self.gpu_name, why)
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
         self.arena = DeviceArena(p, bundle, self.stream, self.gpu_name)
         self.phases = {(ph.phase, ph.tokens): BoundPhase(ph, self.module, self.arena, p.symbols) for ph in p.phases}

@@ -791,6 +791,7 @@ def test_gemv_pair_program(shape):
     grid = 2 * t["sm_count"]
     same, short = resident_program(on, lambda x: grid)
     assert same is on and short == []
+    assert resident_program(on, lambda x: 0)[1] == sorted(kinds)   # (how the executor asks under MPS)
     fewer, short = resident_program(on, lambda x: 2 * 114)          # a part of 114 SMs, two blocks each
     assert short == sorted(kinds) and dumps(fewer) == dumps(un)      # (the runtime's module: compared as JSON)
     one, short = resident_program(on, lambda x: grid if x.kernel == kinds[1] else grid - 1)
