@@ -658,6 +658,27 @@ def pair_case(ex, i: int, ex8b, inputs: list[str], base, poisoned: list[str], ou
     return outs[0]
 
 
+def pair_first_gemv(ex, x, act: str, seed: int):
+    """A --gemv-pair launch x's inputs from a seed: its first GEMV's weights, activation (buffer act), residual x and
+    the next norm's weight, then its second GEMV's weights. Returns (the generator, for the test's other inputs; the
+    first GEMV's weights, activation and residual, for x's float64 check: pair_first_x)."""
+    na, ka = scalar(x, 5), scalar(x, 6)
+    rng = np.random.default_rng(seed)
+    w = random_weights(ex, x, [1, 2, 3], na, ka, rng)
+    a = put_activation(ex, act, (rng.standard_normal((1, ka)) * 0.5).astype(np.float32), XF_F16X2_HI)
+    base = (rng.standard_normal((1, na)) * 3).astype(np.float32)
+    put(ex, "x", base)
+    put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
+    random_weights(ex, x, [10, 11, 12], scalar(x, 14), scalar(x, 15), rng)
+    return rng, w, a, base
+
+
+def pair_first_x(outs, w, a, base) -> None:
+    """The x a pair launch stored (pair_case's outputs: x first) against float64 products of its first GEMV."""
+    xs = outs[0][1].reshape(base.shape)
+    assert dot_rel(xs, a.astype(np.float64) @ w.T.astype(np.float64) + base, a, w, base) <= TOL_F32
+
+
 def test_decode_gemv_pair(ex8b):
     """--gemv-pair (templates/gemv_ring_pair.cu.j2 gemv_ring_pair_nvfp4_nb1): layer 0's down and layer 1's qkv at one
     row in one launch, a grid barrier between, on random weights, activation, residual, norm and q / k norm weights,
@@ -674,14 +695,8 @@ def test_decode_gemv_pair(ex8b):
         i, x = find(ex, "decode", 1, "gemv_ring_pair_nvfp4")
         assert [buf(x, c) for c in (0, 4, 8, 9, 13, 22, 23, 24, 25, 26)] == [
             "ab", "x", "hb", "norm_part", "qkv", "q", "kv.1.k", "kv.1.v", "rope_count", "pair_bar"]
-        na, ka, nq, kq = scalar(x, 5), scalar(x, 6), scalar(x, 14), scalar(x, 15)
-        rng = np.random.default_rng(170)
-        wd = random_weights(ex, x, [1, 2, 3], na, ka, rng)
-        a = put_activation(ex, "ab", (rng.standard_normal((1, ka)) * 0.5).astype(np.float32), XF_F16X2_HI)
-        base = (rng.standard_normal((1, na)) * 3).astype(np.float32)
-        put(ex, "x", base)
-        put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
-        random_weights(ex, x, [10, 11, 12], nq, kq, rng)
+        na, nq = scalar(x, 5), scalar(x, 14)
+        rng, wd, a, base = pair_first_gemv(ex, x, "ab", 170)
         for c in (17, 18):                                   # q / k norm weights (Qwen3; Llama has none)
             if buf(x, c) is not None:
                 put(ex, buf(x, c), rng.uniform(0.5, 1.5, s.head_dim).astype(np.float32))
@@ -698,8 +713,7 @@ def test_decode_gemv_pair(ex8b):
                          lambda e: pair_outputs(e, na, nq, slot),
                          [("gemv_ringxr_nvfp4_nb1", "layers.0.down.codes"),
                           ("gemv_ring3_rope_nvfp4_nb1", "layers.1.qkv.codes")], counts_left)
-        xs = outs[0][1].reshape(1, na)
-        assert dot_rel(xs, a.astype(np.float64) @ wd.T.astype(np.float64) + base, a, wd, base) <= TOL_F32
+        pair_first_x(outs, wd, a, base)
     finally:
         ex.close()
 
@@ -717,14 +731,8 @@ def test_decode_gemv_pair_gated(ex8b):
     try:
         i, x = find(ex, "decode", 1, "gemv_ring_pair_gated_nvfp4")
         assert [buf(x, c) for c in (0, 4, 8, 9, 13, 17)] == ["attn", "x", "hb", "norm_part", "ab", "pair_bar"]
-        na, ka, ng = scalar(x, 5), scalar(x, 6), scalar(x, 14)
-        rng = np.random.default_rng(171)
-        wo = random_weights(ex, x, [1, 2, 3], na, ka, rng)
-        a = put_activation(ex, "attn", (rng.standard_normal((1, ka)) * 0.5).astype(np.float32), XF_F16X2_HI)
-        base = (rng.standard_normal((1, na)) * 3).astype(np.float32)
-        put(ex, "x", base)
-        put(ex, buf(x, 7), rng.uniform(0.5, 1.5, na).astype(np.float32))
-        random_weights(ex, x, [10, 11, 12], ng, scalar(x, 15), rng)
+        na, ng = scalar(x, 5), scalar(x, 14)
+        _, wo, a, base = pair_first_gemv(ex, x, "attn", 171)
 
         def outputs(e):
             return [("x", get(e, "x", np.float32, na)), ("hb", get(e, "hb", np.uint16, 2 * na)),
@@ -733,8 +741,7 @@ def test_decode_gemv_pair_gated(ex8b):
                          ["hb", "norm_part", "ab"], outputs,
                          [("gemv_ringx_nvfp4_nb1", "layers.0.o.codes"),
                           ("gemv_ringxr_gated_nvfp4_nb1", "layers.0.gate_up.codes")])
-        xs = outs[0][1].reshape(1, na)
-        assert dot_rel(xs, a.astype(np.float64) @ wo.T.astype(np.float64) + base, a, wo, base) <= TOL_F32
+        pair_first_x(outs, wo, a, base)
     finally:
         ex.close()
 
