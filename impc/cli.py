@@ -107,6 +107,8 @@ def _add_compile(sub) -> None:
                         "under the first; a GPU that cannot hold a pair's grid at once (fewer SMs than the target's, "
                         "or shared by MPS) runs the two launches instead (off by default: measured slower on an H200, "
                         "8B shapes b1 -5.5 to -6.3%%, BENCHMARKS.md)")
+    p.add_argument("--gemv-pair-only", choices=("o-gate-up", "down-qkv"), default="",
+                   help="--gemv-pair with one of its two pairs only (implies --gemv-pair)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
@@ -184,6 +186,8 @@ def cmd_compile(a) -> int:
     if (a.model is None) == (a.synthetic is None):
         from impc.errors import CompileError
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
+    if a.gemv_pair_only:
+        a.gemv_pair = True
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,

@@ -492,7 +492,7 @@ class LinearLaunches:
         GEMV (gemv_ringxr_*, intermediate / 2048 stages a warp), qkv on ring3 with the rope tail (rope_tail_ok), two
         stages a warp a tile (hidden 4096) so that two tiles a block are one revolution of the ring, the norm between
         them as partial sums (ring_norm_ok), every qkv tile on a block of the grid of two an SM."""
-        if not (self.opt.gemv_pair and nb == 1 and not rope_in_attention and pair_shape(self.spec)
+        if not (self.opt.pair("down-qkv") and nb == 1 and not rope_in_attention and pair_shape(self.spec)
                 and self.ring_norm_ok(down, qkv, True, nb)):
             return False
         kd, _, _ = self.gemv_launch("gemv_nvfp4_nb1", down, 1, down.n // 16)
@@ -530,7 +530,7 @@ class LinearLaunches:
         attention runs, the next ones during o, a grid barrier between them), where each would run alone as the 8B
         shape's do: o on the staged-activation streamed GEMV (gemv_ringx_*, a tile a block), gate_up on the unrolled
         one (gemv_ringxr_gated_*, a tile one revolution of the ring), the norm between them as partial sums."""
-        if not (self.opt.gemv_pair and nb == 1 and pair_gated_shape(self.spec)
+        if not (self.opt.pair("o-gate-up") and nb == 1 and pair_gated_shape(self.spec)
                 and self.ring_norm_ok(o, gate_up, True, nb)):
             return False
         ko, _, _ = self.gemv_launch("gemv_nvfp4_nb1", o, 1, o.n // 16)

@@ -27,6 +27,9 @@ LOGITS_BUCKETS = (1, 16)      # rows of logits one call computes (the last promp
 ROWS = {"sym": "rows"}
 
 
+PAIR_KINDS = ("", "o-gate-up", "down-qkv")   # ProgramOptions.gemv_pair_only ("": both pairs)
+
+
 @dataclass(frozen=True)
 class ProgramOptions:
     """Compile options that shape the launch sequence (recorded in the manifest and the program)."""
@@ -63,6 +66,16 @@ class ProgramOptions:
     gemv_pair: bool = False           # Hopper one-row decode: o and gate_up, down and the next layer's qkv, each pair
                                       # in one launch, the second's weights streaming under the first (launch_linear.py
                                       # pair_ok, pair_gated_ok; off: measured 5.5-6.3% slower at one row on an H200)
+    gemv_pair_only: str = ""          # with gemv_pair: "o-gate-up" or "down-qkv", that pair alone ("": both)
+
+    def __post_init__(self) -> None:
+        if self.gemv_pair_only not in PAIR_KINDS:
+            raise ValueError(f"gemv_pair_only: one of {PAIR_KINDS}, not {self.gemv_pair_only!r}")
+
+    def pair(self, kind: str) -> bool:
+        """Whether the program fuses pair kind ("o-gate-up": o and gate_up, "down-qkv": down and the next layer's qkv)
+        into one launch (templates/gemv_ring_pair.cu.j2), where the shape allows it."""
+        return self.gemv_pair and self.gemv_pair_only in ("", kind)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,10 +136,11 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
     if target["compute_capability"][0] == 9 and (rope_in_attention or not options.qkv_rope_tail):
         out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2: the qkv GEMV's rope tail, one row)
-    if target["compute_capability"][0] == 9 and not options.gemv_pair:
+    if target["compute_capability"][0] == 9:
         # (templates/gemv_ring_pair.cu.j2, by the shape: down and the next qkv, o and gate_up, at one row)
-        out |= {k for k, ok in (("gemv_ring_pair_nvfp4_nb1", pair_shape(spec)),
-                                ("gemv_ring_pair_gated_nvfp4_nb1", pair_gated_shape(spec))) if ok}
+        out |= {k for k, ok in (("gemv_ring_pair_nvfp4_nb1", pair_shape(spec) and not options.pair("down-qkv")),
+                                ("gemv_ring_pair_gated_nvfp4_nb1",
+                                 pair_gated_shape(spec) and not options.pair("o-gate-up"))) if ok}
     if not options.norm_prologue_bf16:
         out |= {"gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1"}   # (templates/gemv.cu.j2: not with the option off)
     return frozenset(out)

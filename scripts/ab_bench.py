@@ -4,8 +4,10 @@ alternate the two bundles in one process's lifetime each (A, B, A, B, ...), so d
 falls on both; per measurement, the median of the rounds for each bundle and the change. The bench's own spread
 between rounds is printed with it: a change smaller than that is noise.
 
-Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [--rounds 3] [--batches 1,2,4] [--pp 128] [--runs 3]
-       [--prompt N] [--path-a DIR] [--path-b DIR]
+Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [C_BUNDLE ...] [--rounds 3] [--batches 1,2,4] [--pp 128]
+       [--runs 3] [--prompt N] [--path-a DIR] [--path-b DIR]
+
+More than two bundles: every round runs them all in turn (A, B, C, ...), and each is compared with A.
 
 --prompt N: the decode runs after an N-token prompt (the bench's own default, 16, otherwise): decode at a context.
 
@@ -46,10 +48,11 @@ def parse_bench(text: str) -> dict[str, float]:
     return out
 
 
-def summarize(rounds: dict[str, list[dict[str, float]]]) -> list[tuple[str, float, float, float, float, float]]:
-    """Per measurement present in every round of both: (name, A median, B median, B/A - 1, A spread, B spread),
-    the spreads as (max - min) / median of the rounds."""
-    a, b = rounds["A"], rounds["B"]
+def summarize(rounds: dict[str, list[dict[str, float]]], other: str = "B") -> list[tuple[str, float, float, float,
+                                                                                        float, float]]:
+    """Per measurement present in every round of both A and `other` (B, C, ...): (name, A median, its median, its / A
+    - 1, A spread, its spread), the spreads as (max - min) / median of the rounds."""
+    a, b = rounds["A"], rounds[other]
     names = [n for n in a[0] if all(n in r for r in a + b)] if a else []
     rows = []
     for n in names:
@@ -63,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
     ap.add_argument("b")
+    ap.add_argument("more", nargs="*", help="further bundles (C, D, ...), each compared with A")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--pp", default="128")
@@ -78,9 +82,10 @@ def main() -> int:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
         return env
 
-    rounds: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    sides = [("A", x.a, x.path_a), ("B", x.b, x.path_b)] + [(chr(ord("C") + i), m, None) for i, m in enumerate(x.more)]
+    rounds: dict[str, list[dict[str, float]]] = {tag: [] for tag, _, _ in sides}
     for r in range(x.rounds):
-        for tag, bundle, extra in (("A", x.a, x.path_a), ("B", x.b, x.path_b)):
+        for tag, bundle, extra in sides:
             cmd = [sys.executable, "-m", "impc.cli", "bench", bundle, "--batches", x.batches, "--pp", x.pp,
                    "--runs", str(x.runs)] + (["--prompt", str(x.prompt)] if x.prompt else [])
             p = subprocess.run(cmd, capture_output=True, text=True, env=env_for(extra))
@@ -91,11 +96,16 @@ def main() -> int:
             rounds[tag].append(got)
             print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
     print(f"\nA = {x.a}{f' (PYTHONPATH first: {x.path_a})' if x.path_a else ''}\n"
-          f"B = {x.b}{f' (PYTHONPATH first: {x.path_b})' if x.path_b else ''}\n{x.rounds} alternating rounds{f', decode after a {x.prompt}-token prompt' if x.prompt else ''}, medians (tok/s; bandwidths TB/s):")
-    print(f"  {'measurement':18s} {'A':>10s} {'B':>10s} {'B vs A':>8s} {'A spread':>9s} {'B spread':>9s}")
-    for n, ma, mb, d, sa, sb in summarize(rounds):
-        digits = 2 if n.endswith("TB/s") else 1
-        print(f"  {n:18s} {ma:10.{digits}f} {mb:10.{digits}f} {100 * d:+7.1f}% {100 * sa:8.1f}% {100 * sb:8.1f}%")
+          f"B = {x.b}{f' (PYTHONPATH first: {x.path_b})' if x.path_b else ''}")
+    for tag, bundle, _ in sides[2:]:
+        print(f"{tag} = {bundle}")
+    print(f"{x.rounds} alternating rounds{f', decode after a {x.prompt}-token prompt' if x.prompt else ''}, medians "
+          f"(tok/s; bandwidths TB/s):")
+    for tag, _, _ in sides[1:]:
+        print(f"  {'measurement':18s} {'A':>10s} {tag:>10s} {tag + ' vs A':>8s} {'A spread':>9s} {tag + ' spread':>9s}")
+        for n, ma, mb, d, sa, sb in summarize(rounds, tag):
+            digits = 2 if n.endswith("TB/s") else 1
+            print(f"  {n:18s} {ma:10.{digits}f} {mb:10.{digits}f} {100 * d:+7.1f}% {100 * sa:8.1f}% {100 * sb:8.1f}%")
     return 0
 
 

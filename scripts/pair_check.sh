@@ -3,11 +3,13 @@
 # two halves.
 #   scripts/pair_check.sh build DIR   on the compiling machine: the GPU test bundles syn-qwen3-8b-2l(-pair) and
 #                                     syn-llama-8b-2l(-pair) under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
-#                                     (T) and with (P) the option, and their timer builds (Tt, Pt), under DIR/8b;
+#                                     (T) and with (P) the option, and their timer builds (Tt, Pt), with one pair only
+#                                     (PG: --gemv-pair-only o-gate-up, PD: down-qkv), under DIR/8b;
 #                                     scripts/boundary_cost.cu as DIR/bc.cubin (~39 MB in all; scripts/gpu_kit.sh packs it)
 #   scripts/pair_check.sh run DIR OUT on the GPU machine (DIR carried; the project importable and its wheels
 #                                     installed): the pair kernels' GPU tests (bit for bit against the launches they
-#                                     replace, batch invariance), scripts/ab_bench.py T P at 1 and 4 rows, the per-kernel
+#                                     replace, batch invariance), scripts/ab_bench.py T P PG PD at 1 and 4 rows
+#                                     (PAIR_AB: other bundles, names under DIR/8b or paths), the per-kernel
 #                                     table of both, and the phase timers of layer 18's pairs and the launches they
 #                                     replace, and scripts/boundary_cost.py (the barrier against a PDL boundary); logs in
 #                                     OUT, a short summary printed last
@@ -23,9 +25,14 @@ case $MODE in
     IMP_GPU_BUNDLES="$DIR/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" syn-qwen3-8b-2l syn-qwen3-8b-2l-pair \
       syn-llama-8b-2l syn-llama-8b-2l-pair || exit 1
     "$PY" "$ROOT/scripts/boundary_cost.py" --build "$DIR/bc.cubin" || exit 1
-    for b in T P Tt Pt; do
+    for b in T P Tt Pt PG PD; do
       out="$DIR/8b/$b"
-      flags=$([ "${b:0:1}" = P ] && echo --gemv-pair || echo --no-gemv-pair)
+      case $b in
+        PG) flags="--gemv-pair-only o-gate-up";;
+        PD) flags="--gemv-pair-only down-qkv";;
+        P*) flags=--gemv-pair;;
+        *) flags=--no-gemv-pair;;
+      esac
       timers=$([ "${b:1:1}" = t ] && echo 1 || echo 0)
       [ -f "$out/manifest.json" ] || IMP_KERNEL_TIMERS=$timers "$PY" -m impc.cli compile --synthetic \
         "$ROOT/examples/qwen3-8b.json" -o "$out" --target sm_90a --vram 40 $flags -q || exit 1
@@ -45,9 +52,14 @@ case $MODE in
       # (a kernel that is wrong or never returns is not worth timing: stop here)
       tail -1 "$OUT/tests.log" | grep -q " passed" && ! grep -qE "^(FAILED|ERROR)" "$OUT/tests.log" || exit 1
     fi
-    timeout 200 $PY "$ROOT/scripts/ab_bench.py" "$DIR/8b/T" "$DIR/8b/P" --rounds 3 --batches 1,4 --pp "" \
+    AB=()
+    for b in ${PAIR_AB:-T P PG PD}; do
+      [ -d "$b" ] && AB+=("$b") || AB+=("$DIR/8b/$b")
+    done
+    timeout 330 $PY "$ROOT/scripts/ab_bench.py" "${AB[@]}" --rounds 3 --batches ${PAIR_AB_BATCHES:-1,4} --pp "" \
       > "$OUT/ab.txt" 2>&1
-    echo "== without (A) and with (B) --gemv-pair"; grep -E "decode batch|TB/s" "$OUT/ab.txt"
+    echo "== ${AB[*]}"; grep -E "^[A-Z] =|decode batch|TB/s|error" "$OUT/ab.txt"
+    [ -n "${PAIR_AB_ONLY:-}" ] && exit 0
     for b in T P; do
       timeout 90 $PY "$ROOT/scripts/profile_step.py" "$DIR/8b/$b" --tokens 1 --context 512 --reps 10 --by-shape \
         --back-to-back --graph > "$OUT/prof-$b.txt" 2>&1

@@ -43,6 +43,18 @@ def test_summarize_medians_and_spreads():
     assert sa == pytest.approx(20 / 380) and sb == pytest.approx(8 / 400)
 
 
+def test_summarize_a_third_bundle_against_a():
+    """A third bundle's rows (ab_bench A B C) compare it with A, not with B."""
+    from scripts.ab_bench import summarize
+    rounds = {"A": [{"decode batch 1": v} for v in (500.0, 510.0, 505.0)],
+              "B": [{"decode batch 1": v} for v in (520.0, 530.0, 525.0)],
+              "C": [{"decode batch 1": v} for v in (450.0, 459.0, 454.5)]}
+    (name, ma, mc, d, sa, sc), = summarize(rounds, "C")
+    assert (ma, mc) == (505.0, 454.5)
+    assert d == pytest.approx(454.5 / 505 - 1)
+    assert sa == pytest.approx(10 / 505) and sc == pytest.approx(9 / 454.5)
+
+
 @pytest.mark.parametrize("args,msg", [(["--batches", "1,x"], "--batches 1,x: give whole numbers"),
                                       (["--batches", "0,8"], "at least 1"), (["--pp", "-5"], "--pp -5"),
                                       (["--tg", "0"], "--tg 0: must be at least 1"),

@@ -823,6 +823,36 @@ def test_gemv_pair_program(shape):
     assert not set(kinds) & kernels_not_launched(small, t, ProgramOptions())
 
 
+@pytest.mark.parametrize("only", ["o-gate-up", "down-qkv"])
+def test_gemv_pair_only_one_kind(only):
+    """--gemv-pair-only KIND: that pair's launches as --gemv-pair makes them (the same launches, fallbacks included),
+    the other pair's two GEMVs as the default program has them, and the other pair's kernel left out of the cubin."""
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]
+    formats = default_formats(spec)
+    t = load_target("sm_90a")
+    kind = {"o-gate-up": "gemv_ring_pair_gated_nvfp4_nb1", "down-qkv": "gemv_ring_pair_nvfp4_nb1"}
+    other = kind["down-qkv" if only == "o-gate-up" else "o-gate-up"]
+    plan = plan_memory(spec, formats, [t], None, 4096, 64, gemv_pair=True)
+    both = build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=True), None)
+    one = build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=True, gemv_pair_only=only), None)
+    base = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64),
+                         ProgramOptions(gemv_pair=False), None)
+    ph1, phb, ph0 = one.phase("decode", 1), both.phase("decode", 1), base.phase("decode", 1)
+    assert [x for x in ph1.launches if x.kernel == kind[only]] == [x for x in phb.launches if x.kernel == kind[only]]
+    assert not any(x.kernel == other for x in ph1.launches)
+    # unfusing the pair gives the default step back (the barrier's init aside)
+    from runtime.program import unfuse
+    assert list(unfuse(one, {kind[only]}).phase("decode", 1).launches) == list(ph0.launches)
+    omitted = kernels_not_launched(spec, t, ProgramOptions(gemv_pair=True, gemv_pair_only=only))
+    assert other in omitted and kind[only] not in omitted
+    with pytest.raises(ValueError, match="gemv_pair_only"):
+        ProgramOptions(gemv_pair=True, gemv_pair_only="both")
+
+
 def buf_names(x) -> list:
     return [a.get("ptr") for a in x.args]
 
