@@ -43,10 +43,11 @@ case $MODE in
     OUT=${3:?$USAGE}
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1
-    # PAIR_TESTS: the pytest -k expression (default: every pair and 8B-shape GEMV test, ~7 min); "none" skips them
+    # PAIR_TESTS: the pytest -k expression (default: every pair and 8B-shape GEMV test, ~7 min); "none" skips them;
+    # PAIR_TEST_LIMIT / PAIR_AB_LIMIT: seconds for the tests (500) and the A/B (330); PAIR_AB_ONLY: stop after the A/B
     K=${PAIR_TESTS:-pair or (8b and not rolled)}
     if [ "$K" != none ]; then
-      IMP_GPU_BUNDLES="$DIR/tb" timeout 500 $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
+      IMP_GPU_BUNDLES="$DIR/tb" timeout ${PAIR_TEST_LIMIT:-500} $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
         "$ROOT/tests/test_gpu_kernels.py" "$ROOT/tests/test_gpu_model.py" -k "$K" > "$OUT/tests.log" 2>&1
       echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12
       # (a kernel that is wrong or never returns is not worth timing: stop here)
@@ -56,7 +57,7 @@ case $MODE in
     for b in ${PAIR_AB:-T P PG PD}; do
       [ -d "$b" ] && AB+=("$b") || AB+=("$DIR/8b/$b")
     done
-    timeout 330 $PY "$ROOT/scripts/ab_bench.py" "${AB[@]}" --rounds 3 --batches ${PAIR_AB_BATCHES:-1,4} --pp "" \
+    timeout ${PAIR_AB_LIMIT:-330} $PY "$ROOT/scripts/ab_bench.py" "${AB[@]}" --rounds 3 --batches ${PAIR_AB_BATCHES:-1,4} --pp "" \
       > "$OUT/ab.txt" 2>&1
     echo "== ${AB[*]}"; grep -E "^[A-Z] =|decode batch|TB/s|error" "$OUT/ab.txt"
     [ -n "${PAIR_AB_ONLY:-}" ] && exit 0
