@@ -106,9 +106,11 @@ def _add_compile(sub) -> None:
                         "each pair in one launch with a grid barrier between, the second GEMV's weights streaming "
                         "under the first; a GPU that cannot hold a pair's grid at once (fewer SMs than the target's, "
                         "or shared by MPS) runs the two launches instead (off by default: measured slower on an H200, "
-                        "8B shapes b1 -5.5 to -6.3%%, BENCHMARKS.md)")
+                        "8B shapes b1 -5.5 to -6.8%%; the o/gate_up pair alone level with the default, the down/qkv "
+                        "pair alone -6.7%%; BENCHMARKS.md)")
     p.add_argument("--gemv-pair-only", choices=("o-gate-up", "down-qkv"), default="",
-                   help="--gemv-pair with one of its two pairs only (implies --gemv-pair)")
+                   help="--gemv-pair with one of its two pairs only (implies --gemv-pair): o-gate-up, o and gate_up; "
+                        "down-qkv, down and the next layer's qkv")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "

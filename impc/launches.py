@@ -65,7 +65,7 @@ class ProgramOptions:
                                       # append in its launch's tail (launch_linear.py rope_tail_ok), no qkv_rope launch
     gemv_pair: bool = False           # Hopper one-row decode: o and gate_up, down and the next layer's qkv, each pair
                                       # in one launch, the second's weights streaming under the first (launch_linear.py
-                                      # pair_ok, pair_gated_ok; off: measured 5.5-6.3% slower at one row on an H200)
+                                      # pair_ok, pair_gated_ok; off: measured 5.5-6.8% slower at one row on an H200)
     gemv_pair_only: str = ""          # with gemv_pair: "o-gate-up" or "down-qkv", that pair alone ("": both)
 
     def __post_init__(self) -> None:
