@@ -71,6 +71,8 @@ class ProgramOptions:
     def __post_init__(self) -> None:
         if self.gemv_pair_only not in PAIR_KINDS:
             raise ValueError(f"gemv_pair_only: one of {PAIR_KINDS}, not {self.gemv_pair_only!r}")
+        if self.gemv_pair_only and not self.gemv_pair:
+            raise ValueError("gemv_pair_only needs gemv_pair")
 
     def pair(self, kind: str) -> bool:
         """Whether the program fuses pair kind ("o-gate-up": o and gate_up, "down-qkv": down and the next layer's qkv)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""A/B of two bundles by `impc bench`, the way BENCHMARKS.md's sessions compare a change with its base: rounds that
-alternate the two bundles in one process's lifetime each (A, B, A, B, ...), so drift of the GPU (clocks, heat)
-falls on both; per measurement, the median of the rounds for each bundle and the change. The bench's own spread
-between rounds is printed with it: a change smaller than that is noise.
+"""A/B of two (or more) bundles by `impc bench`, the way BENCHMARKS.md's sessions compare a change with its base:
+rounds that alternate the bundles, a process each (A, B, A, B, ...), so drift of the GPU (clocks, heat) falls on all;
+per measurement, the median of the rounds for each bundle and the change. The bench's own spread between rounds is
+printed with it: a change smaller than that is noise.
 
 Usage: python scripts/ab_bench.py A_BUNDLE B_BUNDLE [C_BUNDLE ...] [--rounds 3] [--batches 1,2,4] [--pp 128]
        [--runs 3] [--prompt N] [--path-a DIR] [--path-b DIR]

@@ -5,7 +5,7 @@
 #                                     syn-llama-8b-2l(-pair) under DIR/tb; 8B-shape synthetic bundles (--vram 40) without
 #                                     (T) and with (P) the option, and their timer builds (Tt, Pt), with one pair only
 #                                     (PG: --gemv-pair-only o-gate-up, PD: down-qkv), under DIR/8b;
-#                                     scripts/boundary_cost.cu as DIR/bc.cubin (~39 MB in all; scripts/gpu_kit.sh packs it)
+#                                     scripts/boundary_cost.cu as DIR/bc.cubin (~52 MB in all; scripts/gpu_kit.sh packs it)
 #   scripts/pair_check.sh run DIR OUT on the GPU machine (DIR carried; the project importable and its wheels
 #                                     installed): the pair kernels' GPU tests (bit for bit against the launches they
 #                                     replace, batch invariance), scripts/ab_bench.py T P PG PD at 1 and 4 rows
@@ -44,7 +44,7 @@ case $MODE in
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1
     # PAIR_TESTS: the pytest -k expression (default: every pair and 8B-shape GEMV test, ~7 min); "none" skips them;
-    # PAIR_TEST_LIMIT / PAIR_AB_LIMIT: seconds for the tests (500) and the A/B (330); PAIR_AB_ONLY: stop after the A/B
+    # PAIR_TEST_LIMIT / PAIR_AB_LIMIT: seconds for the tests (500) and the A/B (500); PAIR_AB_ONLY: stop after the A/B
     K=${PAIR_TESTS:-pair or (8b and not rolled)}
     if [ "$K" != none ]; then
       IMP_GPU_BUNDLES="$DIR/tb" timeout ${PAIR_TEST_LIMIT:-500} $PY -m pytest -q -p no:cacheprovider -m gpu --tb=short \
@@ -57,10 +57,11 @@ case $MODE in
     for b in ${PAIR_AB:-T P PG PD}; do
       [ -d "$b" ] && AB+=("$b") || AB+=("$DIR/8b/$b")
     done
-    timeout ${PAIR_AB_LIMIT:-330} $PY "$ROOT/scripts/ab_bench.py" "${AB[@]}" --rounds 3 --batches ${PAIR_AB_BATCHES:-1,4} --pp "" \
+    timeout ${PAIR_AB_LIMIT:-500} $PY "$ROOT/scripts/ab_bench.py" "${AB[@]}" --rounds 3 --batches ${PAIR_AB_BATCHES:-1,4} --pp "" \
       > "$OUT/ab.txt" 2>&1
+    AB_RC=$?
     echo "== ${AB[*]}"; grep -E "^[A-Z] =|decode batch|TB/s|error" "$OUT/ab.txt"
-    [ -n "${PAIR_AB_ONLY:-}" ] && exit 0
+    [ -n "${PAIR_AB_ONLY:-}" ] && exit $AB_RC
     for b in T P; do
       timeout 90 $PY "$ROOT/scripts/profile_step.py" "$DIR/8b/$b" --tokens 1 --context 512 --reps 10 --by-shape \
         --back-to-back --graph > "$OUT/prof-$b.txt" 2>&1

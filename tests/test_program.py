@@ -851,6 +851,8 @@ def test_gemv_pair_only_one_kind(only):
     assert other in omitted and kind[only] not in omitted
     with pytest.raises(ValueError, match="gemv_pair_only"):
         ProgramOptions(gemv_pair=True, gemv_pair_only="both")
+    with pytest.raises(ValueError, match="needs gemv_pair"):
+        ProgramOptions(gemv_pair=False, gemv_pair_only=only)
 
 
 def buf_names(x) -> list:
