@@ -18,6 +18,8 @@ nvidia-cuda-nvdisasm`).
 
 Usage: python scripts/sass_loop.py loop CUBIN KERNEL [--op HMMA]
        python scripts/sass_loop.py diff CUBIN_A CUBIN_B
+       python scripts/sass_loop.py diff DIR_A DIR_B        (every cubin under DIR_A against the same path under DIR_B,
+                                                            e.g. two trees' scripts/build_gpu_bundles.py outputs)
        python scripts/sass_loop.py early CUBIN KERNEL [KERNEL ...]"""
 from __future__ import annotations
 
@@ -124,6 +126,28 @@ def functions(text: str) -> dict[str, str]:
     return out
 
 
+def cubin_pairs(a: Path, b: Path) -> tuple[list[str], list[str]]:
+    """The cubins' paths relative to directories a and b: those under both, and those under one only (sorted)."""
+    ra = {str(c.relative_to(a)) for c in a.rglob("*.cubin")}
+    rb = {str(c.relative_to(b)) for c in b.rglob("*.cubin")}
+    return sorted(ra & rb), sorted(ra ^ rb)
+
+
+def diff_cubins(a: str, b: str, quiet: bool = False) -> bool:
+    """Print which functions of cubins a and b differ (quiet: nothing where none does); whether any does."""
+    fa, fb = functions(sass(a)), functions(sass(b))
+    differ = sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k])
+    only = sorted(fa.keys() ^ fb.keys())
+    if quiet and not (differ or only):
+        return False
+    print(f"{len(fa.keys() & fb.keys())} functions in both, {len(differ)} differ, {len(only)} in one only")
+    for k in differ:
+        print(f"  differs: {k}")
+    for k in only:
+        print(f"  only in {'A' if k in fa else 'B'}: {k}")
+    return bool(differ or only)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -154,15 +178,23 @@ def main() -> int:
         for op, n in counts.most_common():
             print(f"  {op:10s} {n:5d}")
         return 0
-    fa, fb = functions(sass(a.a)), functions(sass(a.b))
-    differ = sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k])
-    only = sorted(fa.keys() ^ fb.keys())
-    print(f"{len(fa.keys() & fb.keys())} functions in both, {len(differ)} differ, {len(only)} in one only")
-    for k in differ:
-        print(f"  differs: {k}")
-    for k in only:
-        print(f"  only in {'A' if k in fa else 'B'}: {k}")
-    return 1 if differ or only else 0
+    da, db = Path(a.a), Path(a.b)
+    if da.is_dir() != db.is_dir():
+        sys.exit("sass_loop: diff takes two cubins or two directories")
+    if not da.is_dir():
+        return 1 if diff_cubins(a.a, a.b) else 0
+    both, one = cubin_pairs(da, db)
+    changed = 0
+    for rel in both:
+        print(f"{rel}: ", end="", flush=True)
+        if diff_cubins(str(da / rel), str(db / rel), quiet=True):
+            changed += 1
+        else:
+            print("identical")
+    for rel in one:
+        print(f"{rel}: only under {'A' if (da / rel).exists() else 'B'}")
+    print(f"{len(both)} cubins under both, {changed} with functions that differ, {len(one)} under one only")
+    return 1 if changed or one else 0
 
 
 if __name__ == "__main__":

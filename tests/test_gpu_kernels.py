@@ -556,14 +556,27 @@ def down_case(ex, b):
 
 @pytest.mark.parametrize("b", [1])
 def test_decode_gemv_rope_tail(ex8b, b):
-    """The 8B shape's qkv GEMV at one row with qkv_rope_cache_f16's work in its tail (gemv_ring3_rope_*,
+    """The 8B shape's qkv GEMV at one row with qkv_rope_cache_f16's work in its tail (check_rope_tail)."""
+    check_rope_tail(ex8b, b)
+
+
+def test_decode_gemv_rope_tail_other_heads(ex):
+    """The same at the other head dims (the tiny qwen3's 32, 128 with 16 heads, Gemma-3's 256: rope_consts'
+    pairs a lane and the q / k norm's sum of squares differ by head dim; each kernel inlines that sum, so its bits
+    are the same as qkv_rope_cache_f16's only if both compile it alike: prelude rope_rotate writes its one FMA
+    explicitly)."""
+    check_rope_tail(ex, 1)
+
+
+def check_rope_tail(ex, b: int) -> None:
+    """The qkv GEMV at b rows with qkv_rope_cache_f16's work in its tail (gemv_ring3_rope_*,
     templates/gemv_ring.cu.j2 rope_tail): its float32 qkv rows against float64 products; q and the new keys and values
     in the paged cache against q/k norm and RoPE (executor_cpu.rms_norm, runtime/rope.py) of those rows; bit for bit
     what qkv_rope_cache_f16 writes from the same rows (the launch the other batches keep); the heads' counts left at
     0, so a second launch writes the same."""
     from imp_runtime.executor_cpu import rms_norm
     from imp_runtime.rope import apply_rope, cos_sin
-    ex, s = ex8b, ex8b.spec
+    s = ex.spec
     i, x = find(ex, "decode", b, "gemv_ring3_rope_nvfp4")
     assert not any(y.kernel == "qkv_rope_cache_f16" for y in ex.program.phase("decode", b).launches)
     rng = np.random.default_rng(140 + b)

@@ -115,3 +115,16 @@ def test_early_loads_stay_ahead_of_the_wait(checkpoints, tmp_path):
             listing if kernel == "rmsnorm_residual" else sass_loop.sass(cubin, kernel)))
         assert sum(map(sass_loop.strong, before)) == want, (kernel, before)
         assert not any(map(sass_loop.strong, after)), (kernel, after)
+
+
+def test_cubin_pairs_match_two_trees_by_relative_path(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, names in ((a, ["x/kernels/sm_90a.cubin", "y/kernels/sm_90a.cubin", "y/kernels/sm_80.cubin"]),
+                        (b, ["x/kernels/sm_90a.cubin", "y/kernels/sm_90a.cubin", "z/kernels/sm_90a.cubin"])):
+        for n in names:
+            (root / n).parent.mkdir(parents=True, exist_ok=True)
+            (root / n).write_bytes(b"")
+    (a / "x" / "manifest.json").write_text("{}")
+    both, one = sass_loop.cubin_pairs(a, b)
+    assert both == ["x/kernels/sm_90a.cubin", "y/kernels/sm_90a.cubin"]
+    assert one == ["y/kernels/sm_80.cubin", "z/kernels/sm_90a.cubin"]
