@@ -10,6 +10,9 @@
 #       bench   the synthetic Qwen3-8B (T), SmolLM2 (S) and Llama-3.1-8B (L) shapes' default bundles (--vram 40, 8,
 #               40) and Llama-3.1-8B's with --gemv-pair (LP), build/kit/bench/{T,S,L,LP}
 #       cutlass scripts/cutlass_check.sh build build/kit/cc (needs CUTLASS's headers)
+#       base:COMMIT  the bench shapes' default bundles (T, S, L) compiled by the tree at COMMIT (a temporary git
+#               worktree), build/kit/base/{T,S,L}: the other side of an A/B against bench's (scripts/ab_bench.py
+#               build/kit/base/T build/kit/bench/T), so a kernel change is measured against its own base in one call
 #   scripts/gpu_kit.sh unpack ARCHIVE             on the GPU machine, in the project's root: ARCHIVE into build/kit/
 #   scripts/gpu_kit.sh suite OUT kernels|8b|model on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
 #                                                 a third of the GPU test suite on build/kit/tb (the kernel tests but
@@ -18,7 +21,7 @@
 # On the GPU machine, e.g.:
 #   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite OUT 8b
 set -uo pipefail
-USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
+USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:COMMIT ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
 MODE=${1:?$USAGE}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=$ROOT/build/kit
@@ -41,6 +44,20 @@ case $MODE in
               --target sm_90a --vram "$vram" ${flag:+"$flag"} -q || exit 1
           done;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
+        base:*)
+          commit=${part#base:}
+          wt=$(mktemp -d) && rmdir "$wt" || exit 1
+          git -C "$ROOT" worktree add --detach -q "$wt" "$commit" || { echo "no commit $commit" >&2; exit 1; }
+          # the worktree's own packages: impc from its root (python -m puts the working directory first), and
+          # imp_runtime (pyproject maps it to runtime/; the editable install would give this tree's) by a link
+          ln -s runtime "$wt/imp_runtime" || exit 1
+          for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40; do
+            IFS=: read -r name cfg vram <<< "$b"
+            (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/base/$name" \
+              --target sm_90a --vram "$vram" -q) || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
+          done
+          git -C "$ROOT" rev-parse "$commit" > "$KIT/base/COMMIT"
+          git -C "$ROOT" worktree remove --force "$wt";;
         *) echo "unknown part $part" >&2; echo "$USAGE" >&2; exit 2;;
       esac
     done
