@@ -103,6 +103,19 @@ def wait_split(ins: list[tuple[int, str]]) -> tuple[list[str], list[str]]:
     return [t for i, t in loads if i < at], [t for i, t in loads if i > at]
 
 
+def first_positions(ins: list[tuple[int, str]]) -> dict[str, int | None]:
+    """Where a kernel's first strong global load, first weight copy (cp.async: LDGSTS, or a bulk copy: UBLKCP /
+    UTMALDG) and first grid-dependency wait (ACQBULK) stand (instruction indices; None: absent). A load meant to be
+    in flight before the block's copies (the streamed GEMVs' tensor scale, templates/gemv_ring.cu.j2) stands before
+    the first copy, not merely before the wait."""
+    ops = [opcode(t) for _, t in ins]
+    def first(pred):
+        return next((i for i, (o, (_, t)) in enumerate(zip(ops, ins)) if pred(o, t)), None)
+    return {"strong": first(lambda o, t: o == "LDG" and strong(t)),
+            "copy": first(lambda o, t: o in ("LDGSTS", "UBLKCP", "UTMALDG")),
+            "wait": first(lambda o, t: o == "ACQBULK")}
+
+
 def strong(instr: str) -> bool:
     """A strong load (ld.relaxed / ld.volatile: LDG.E...STRONG.GPU / .SYS), which ptxas keeps where it stands."""
     return ".STRONG." in instr
@@ -164,9 +177,13 @@ def main() -> int:
     a = ap.parse_args()
     if a.cmd == "early":
         for k in a.kernels:
-            before, after = wait_split(instructions(sass(a.cubin, k)))
+            ins = instructions(sass(a.cubin, k))
+            before, after = wait_split(ins)
+            f = first_positions(ins)
+            ahead = ("" if f["strong"] is None or f["copy"] is None else
+                     f"; its first strong load {'before' if f['strong'] < f['copy'] else 'after'} its first copy")
             print(f"{k}: before the wait {len(before)} loads ({sum(map(strong, before))} strong), "
-                  f"after it {len(after)} ({sum(map(strong, after))} strong)")
+                  f"after it {len(after)} ({sum(map(strong, after))} strong){ahead}")
         return 0
     if a.cmd == "loop":
         try:

@@ -1,4 +1,4 @@
-"""scripts/sass_loop.py's SASS reading (no cuobjdump needed): a hand-written listing with two nested loops, the
+"""scripts/sass_loop.py's SASS reading: a hand-written listing with two nested loops, the
 HMMA inside the inner one, counted by hand."""
 import sys
 from pathlib import Path
@@ -128,3 +128,43 @@ def test_cubin_pairs_match_two_trees_by_relative_path(tmp_path):
     both, one = sass_loop.cubin_pairs(a, b)
     assert both == ["x/kernels/sm_90a.cubin", "y/kernels/sm_90a.cubin"]
     assert one == ["y/kernels/sm_80.cubin", "z/kernels/sm_90a.cubin"]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.1-8b"])
+def test_one_row_streamed_gemvs_load_their_scale_ahead_of_their_copies(shape, tmp_path):
+    """The 8B shapes' one-row streamed GEMVs, as compiled (sm_90a): each issues a strong load (its tensor scale,
+    templates/gemv_ring.cu.j2) before its first weight copy and its grid-dependency wait. As a plain load, ptxas had
+    moved o's past the wait (its first use ahead of the stage loop: a DRAM round trip after the wait) and the others'
+    among or behind their copies (BENCHMARKS.md, thirty-eighth session). Needs nvcc and cuobjdump (the project's
+    wheels)."""
+    import shutil
+    try:
+        from tests.test_templates_compile import SHAPES, _nvcc, default_formats
+    except ImportError:
+        from test_templates_compile import SHAPES, _nvcc, default_formats
+
+    from impc.cubin import kernel_symbols
+    from impc.emit import compile_cubin, render
+    from impc.launches import ProgramOptions, build_program
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    nv, ver = _nvcc()
+    try:
+        sass_loop.cuobjdump()
+    except SystemExit:
+        pytest.skip("cuobjdump not found")
+    if not shutil.which("nvdisasm") and not any(Path(sass_loop.cuobjdump()).parent.glob("nvdisasm*")):
+        pytest.skip("nvdisasm not found")
+    t, spec = load_target("sm_90a"), SHAPES[shape]
+    cubin, _ = compile_cubin(render(spec, t, {}), t, nv, ver)
+    formats = default_formats(spec)
+    prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(),
+                         kernel_symbols(cubin))
+    ring = sorted({x.kernel for x in prog.phase("decode", 1).launches if x.kernel.startswith("gemv_ring")})
+    assert len(ring) == 4, ring                  # qkv (with the rope tail), o, gate_up, down
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    for k in ring:
+        f = sass_loop.first_positions(sass_loop.instructions(sass_loop.sass(str(path), k)))
+        assert None not in f.values(), (k, f)
+        assert f["strong"] < f["copy"] and f["strong"] < f["wait"], (k, f)
