@@ -50,7 +50,7 @@ case $MODE in
           git -C "$ROOT" worktree add --detach -q "$wt" "$commit" || { echo "no commit $commit" >&2; exit 1; }
           # the worktree's own packages: impc from its root (python -m puts the working directory first), and
           # imp_runtime (pyproject maps it to runtime/; the editable install would give this tree's) by a link
-          ln -s runtime "$wt/imp_runtime" || exit 1
+          ln -s runtime "$wt/imp_runtime" || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
           for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40; do
             IFS=: read -r name cfg vram <<< "$b"
             (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/base/$name" \
