@@ -133,7 +133,8 @@ def test_cubin_pairs_match_two_trees_by_relative_path(tmp_path):
 @pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.1-8b"])
 def test_one_row_streamed_gemvs_load_their_scale_ahead_of_their_copies(shape, tmp_path):
     """The 8B shapes' one-row streamed GEMVs, as compiled (sm_90a): each issues a strong load (its tensor scale,
-    templates/gemv_ring.cu.j2) before its first weight copy and its grid-dependency wait. As a plain load, ptxas had
+    templates/gemv_ring.cu.j2) before its first weight copy and its grid-dependency wait, and no strong load between
+    the two. As a plain load, ptxas had
     moved o's past the wait (its first use ahead of the stage loop: a DRAM round trip after the wait) and the others'
     among or behind their copies (BENCHMARKS.md, thirty-eighth session). Needs nvcc and cuobjdump (the project's
     wheels)."""
@@ -165,6 +166,12 @@ def test_one_row_streamed_gemvs_load_their_scale_ahead_of_their_copies(shape, tm
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
     for k in ring:
-        f = sass_loop.first_positions(sass_loop.instructions(sass_loop.sass(str(path), k)))
+        ins = sass_loop.instructions(sass_loop.sass(str(path), k))
+        f = sass_loop.first_positions(ins)
         assert None not in f.values(), (k, f)
         assert f["strong"] < f["copy"] and f["strong"] < f["wait"], (k, f)
+        # and every strong load before the wait ahead of the copies: qkv's rope-tail constants too (thirty-seventh
+        # session: issued after the copies, they queued behind them and warp 0 passed its wait late)
+        late = [t for i, (_, t) in enumerate(ins) if f["copy"] < i < f["wait"]
+                and sass_loop.opcode(t) == "LDG" and sass_loop.strong(t)]
+        assert not late, (k, late)
