@@ -25,6 +25,7 @@ USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:CO
 MODE=${1:?$USAGE}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=$ROOT/build/kit
+BENCH="T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40"   # the bench shapes: name:examples config:--vram
 case $MODE in
   build)
     ARCHIVE=${2:?$USAGE}
@@ -37,7 +38,7 @@ case $MODE in
         suite) IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" || exit 1;;   # (all of them)
         pair) PYTHON=$PY bash "$ROOT/scripts/pair_check.sh" build "$KIT/pc" || exit 1;;
         bench)
-          for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40 LP:llama-3.1-8b:40:--gemv-pair; do
+          for b in $BENCH LP:llama-3.1-8b:40:--gemv-pair; do
             IFS=: read -r name cfg vram flag <<< "$b"
             out="$KIT/bench/$name"
             "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$out" \
@@ -51,7 +52,7 @@ case $MODE in
           # the worktree's own packages: impc from its root (python -m puts the working directory first), and
           # imp_runtime (pyproject maps it to runtime/; the editable install would give this tree's) by a link
           ln -s runtime "$wt/imp_runtime" || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
-          for b in T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40; do
+          for b in $BENCH; do
             IFS=: read -r name cfg vram <<< "$b"
             (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/base/$name" \
               --target sm_90a --vram "$vram" -q) || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }

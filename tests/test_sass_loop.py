@@ -132,7 +132,7 @@ def test_cubin_pairs_match_two_trees_by_relative_path(tmp_path):
 
 @pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.1-8b"])
 def test_one_row_streamed_gemvs_load_their_scale_ahead_of_their_copies(shape, tmp_path):
-    """The 8B shapes' one-row streamed GEMVs, as compiled (sm_90a): each issues a strong load (its tensor scale,
+    """The 8B shapes' one-row streamed GEMVs (and --gemv-pair's), as compiled (sm_90a): each issues a strong load (its tensor scale,
     templates/gemv_ring.cu.j2) before its first weight copy and its grid-dependency wait, and no strong load between
     the two. As a plain load, ptxas had
     moved o's past the wait (its first use ahead of the stage loop: a DRAM round trip after the wait) and the others'
@@ -159,10 +159,13 @@ def test_one_row_streamed_gemvs_load_their_scale_ahead_of_their_copies(shape, tm
     t, spec = load_target("sm_90a"), SHAPES[shape]
     cubin, _ = compile_cubin(render(spec, t, {}), t, nv, ver)
     formats = default_formats(spec)
-    prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(),
-                         kernel_symbols(cubin))
+    symbols = kernel_symbols(cubin)
+    prog = build_program(spec, formats, t, plan_memory(spec, formats, [t], None, 4096, 64), ProgramOptions(), symbols)
     ring = sorted({x.kernel for x in prog.phase("decode", 1).launches if x.kernel.startswith("gemv_ring")})
     assert len(ring) == 4, ring                  # qkv (with the rope tail), o, gate_up, down
+    pair = ["gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"]    # --gemv-pair's (the same loads)
+    assert set(pair) <= symbols
+    ring += pair
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
     for k in ring:
