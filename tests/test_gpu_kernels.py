@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 try:
-    from tests.gpu_common import gpu_bundle, have_gpu
+    from tests.gpu_common import gpu_bundle, have_gpu, random_float_rows, random_int8_rows, random_nvfp4
 except ImportError:
-    from gpu_common import gpu_bundle, have_gpu
+    from gpu_common import gpu_bundle, have_gpu, random_float_rows, random_int8_rows, random_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs an NVIDIA GPU")]
 
@@ -137,20 +137,19 @@ def random_weights(ex, x, w_args: list[int], n: int, k: int, rng, tiny_rows: int
 
 
 def put_random_weights(ex, names: list[str], n: int, k: int, rng, tiny_rows: int = 0) -> np.ndarray:
-    """random_weights over named buffers (NVFP4 codes, scales, tscale; INT8 codes, rscale; or one bf16 buffer)."""
-    from impc.quantize import quantize_int8_rows, quantize_nvfp4
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
-    w[:tiny_rows] *= 1e-4
+    """random_weights over named buffers (NVFP4 codes, scales, tscale; INT8 codes, rscale; or one bf16 buffer),
+    drawn as stored (tests/gpu_common.py random_nvfp4, random_int8_rows)."""
     if len(names) == 2:
-        q = quantize_int8_rows(w)
+        q = random_int8_rows(n, k, rng, tiny_rows)
         put(ex, names[0], q.codes)
         put(ex, names[1], q.rscale)
         return q.dequantize()
     if len(names) == 3:
-        q = quantize_nvfp4(w)
+        q = random_nvfp4(n, k, rng, tiny_rows)
         for name, arr in zip(names, (q.codes, q.scales, q.tscale)):
             put(ex, name, arr)
         return q.dequantize()
+    w = random_float_rows(n, k, rng, tiny_rows)
     put(ex, names[0], bf16_bits(w))
     return bf16_round(w)
 
