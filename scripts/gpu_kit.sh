@@ -13,6 +13,9 @@
 #       base:COMMIT  the bench shapes' default bundles (T, S, L) compiled by the tree at COMMIT (a temporary git
 #               worktree), build/kit/base/{T,S,L}: the other side of an A/B against bench's (scripts/ab_bench.py
 #               build/kit/base/T build/kit/bench/T), so a kernel change is measured against its own base in one call
+#       patch:NAME:FILE  the bench shapes' default bundles compiled by this tree's HEAD with the patch FILE applied
+#               (e.g. experiments/*.patch: a kernel probe kept out of the templates until measured), build/kit/NAME/
+#               {T,S,L}: a third side for the same ab_bench call (scripts/ab_bench.py base/T bench/T NAME/T)
 #   scripts/gpu_kit.sh unpack ARCHIVE             on the GPU machine, in the project's root: ARCHIVE into build/kit/
 #   scripts/gpu_kit.sh suite OUT kernels|8b|model on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
 #                                                 a third of the GPU test suite on build/kit/tb (the kernel tests but
@@ -21,7 +24,7 @@
 # On the GPU machine, e.g.:
 #   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite OUT 8b
 set -uo pipefail
-USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:COMMIT ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
+USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:COMMIT|patch:NAME:FILE ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
 MODE=${1:?$USAGE}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=$ROOT/build/kit
@@ -45,19 +48,29 @@ case $MODE in
               --target sm_90a --vram "$vram" ${flag:+"$flag"} -q || exit 1
           done;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
-        base:*)
-          commit=${part#base:}
+        base:*|patch:*)
+          if [[ $part == base:* ]]; then commit=${part#base:} dest=base patch=
+          else
+            IFS=: read -r _ dest patch <<< "$part"
+            commit=HEAD
+            [[ -n $dest && -f $patch ]] || { echo "patch:NAME:FILE needs a name and a patch file ($part)" >&2; exit 2; }
+            case $dest in tb|pc|bench|base|cc|*/*) echo "patch:$dest: a name the kit uses already" >&2; exit 2;; esac
+            patch=$(cd "$(dirname "$patch")" && pwd)/$(basename "$patch")
+          fi
           wt=$(mktemp -d) && rmdir "$wt" || exit 1
           git -C "$ROOT" worktree add --detach -q "$wt" "$commit" || { echo "no commit $commit" >&2; exit 1; }
+          if [[ -n $patch ]] && ! git -C "$wt" apply "$patch"; then
+            echo "$patch does not apply to HEAD" >&2; git -C "$ROOT" worktree remove --force "$wt"; exit 1
+          fi
           # the worktree's own packages: impc from its root (python -m puts the working directory first), and
           # imp_runtime (pyproject maps it to runtime/; the editable install would give this tree's) by a link
           ln -s runtime "$wt/imp_runtime" || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
           for b in $BENCH; do
             IFS=: read -r name cfg vram <<< "$b"
-            (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/base/$name" \
+            (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/$dest/$name" \
               --target sm_90a --vram "$vram" -q) || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
           done
-          git -C "$ROOT" rev-parse "$commit" > "$KIT/base/COMMIT"
+          { git -C "$ROOT" rev-parse "$commit"; [[ -z $patch ]] || echo "+ ${patch#"$ROOT"/}"; } > "$KIT/$dest/COMMIT"
           git -C "$ROOT" worktree remove --force "$wt";;
         *) echo "unknown part $part" >&2; echo "$USAGE" >&2; exit 2;;
       esac
