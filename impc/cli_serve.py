@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
                         "(smaller: steadier inter-token latency while prompts arrive; larger: prompts taken in "
                         "faster; default: the bundle's prefill chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default 4)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may give, as vLLM's option: the first is the one responses "
+                        "report and /v1/models lists first; '*' accepts any name, as llama.cpp's server does (for "
+                        "agent stacks that send their own model names); default: the bundle's name only")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(handler=cmd_serve)
 
@@ -59,10 +63,16 @@ def cmd_serve(a) -> int:
     if a.max_step_tokens is not None and a.max_step_tokens < 1:
         print(f"imp serve: --max-step-tokens {a.max_step_tokens}: give a positive number", file=sys.stderr)
         return 2
+    names = tuple(a.served_model_name or ())
+    if any(not n.strip() for n in names):
+        print("imp serve: --served-model-name: give non-empty names", file=sys.stderr)
+        return 2
     limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20),
-                    step_tokens=a.max_step_tokens)
+                    step_tokens=a.max_step_tokens, model_names=names)
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
-    print(f"imp serving {svc.model} ({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
+    also = [f"'{n}'" for n in svc.model_names[1:]] + (["any model name"] if svc.any_model else [])
+    print(f"imp serving {svc.model}{' (also ' + ', '.join(also) + ')' if also else ''} "
+          f"({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
           f"on http://{a.host}:{a.port}/{'  [API key required]' if a.api_key else ''}", file=sys.stderr)
     auth = ' -H "Authorization: Bearer $IMP_API_KEY"' if a.api_key else ""
     print(f"chat page: http://{a.host}:{a.port}/\ntry:  curl -N http://{a.host}:{a.port}/v1/chat/completions{auth} "

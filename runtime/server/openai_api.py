@@ -374,18 +374,17 @@ async def completions(svc: Service, request: Request, body: dict):
 # ------------------------------------------------------------------ /v1/models
 
 
-def model_card(svc: Service) -> dict:
-    return {"id": svc.model, "object": "model", "created": svc.created, "owned_by": "imp",
+def model_card(svc: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": svc.created, "owned_by": "imp",
             "max_model_len": svc.engine.max_context}
 
 
 async def list_models(svc: Service, request: Request):
-    return JSONResponse({"object": "list", "data": [model_card(svc)]})
+    return JSONResponse({"object": "list", "data": [model_card(svc, n) for n in svc.model_names]})
 
 
 async def get_model(svc: Service, request: Request):
     name = request.path_params["model"]
-    if name != svc.model:
-        raise APIError(404, f"model: the model '{name}' does not exist; this server serves '{svc.model}'",
-                       param="model", code="model_not_found")
-    return JSONResponse(model_card(svc))
+    if not svc.serves(name):
+        raise svc.unknown_model(name)
+    return JSONResponse(model_card(svc, name))

@@ -34,14 +34,36 @@ class Limits:
                                          # the executor's largest decode batch)
     page_size: int = 16                  # KV page size reported in metrics
     step_tokens: int | None = None       # tokens one step computes at most (decode rows + prefill); None: the chunk
+    model_names: tuple[str, ...] = ()    # the names requests may give (vLLM's --served-model-name): the first is the
+                                         # one responses and /health report; "*" takes any name (as llama.cpp's
+                                         # server does); () the bundle's own name only
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The model names a server answers to (Limits.model_names, `impc serve --served-model-name`): `names` in order,
+    the first the one it reports; `any`: every name is taken, as llama.cpp's server does, for agent stacks that send
+    their own model names (an Anthropic SDK's "claude-..."). By default only the bundle's name, as vLLM does."""
+    names: tuple[str, ...]
+    any: bool = False
+
+    @classmethod
+    def of(cls, given: tuple[str, ...] | list[str], bundle_name: str) -> "ModelNames":
+        named = tuple(dict.fromkeys(n for n in given if n != "*"))      # in order, once each
+        return cls(named or (bundle_name,), "*" in given)
+
+    def serves(self, name: str) -> bool:
+        return self.any or name in self.names
 
 
 class Service:
     def __init__(self, engine: Engine, api_key: str | None = None, limits: Limits | None = None):
         self.engine = engine
-        self.model = engine.name
         self.api_key = api_key
         self.limits = limits or Limits()
+        self.served = ModelNames.of(self.limits.model_names, engine.name)
+        self.model_names, self.any_model = self.served.names, self.served.any
+        self.model = self.served.names[0]           # the name responses and /health report
         self.metrics = Metrics()
         self.metrics.watch_scheduler(engine.scheduler)
         self.queue = FairQueue(engine, self.metrics, self.limits.max_running, self.limits.page_size,
@@ -60,11 +82,19 @@ class Service:
 
     # --- request pieces ---
 
+    def serves(self, name: str) -> bool:
+        return self.served.serves(name)
+
+    def unknown_model(self, name: str, status: int = 404) -> APIError:
+        served = ", ".join(f"'{n}'" for n in self.model_names)
+        return APIError(status, f"model: the model '{name}' does not exist; this server serves {served}",
+                        param="model", code="model_not_found")
+
     def check_model(self, body: dict, required: bool = False, status: int = 404) -> str:
+        """The name responses report (the first served name) for a request whose `model` the server serves."""
         name = get_str(body, "model", required=required)
-        if name is not None and name != self.model:
-            raise APIError(status, f"model: the model '{name}' does not exist; this server serves '{self.model}'",
-                           param="model", code="model_not_found")
+        if name is not None and not self.serves(name):
+            raise self.unknown_model(name, status)
         return self.model
 
     def encode_chat(self, messages: list[dict], tools: list[Tool], field_name: str = "messages") -> list[int]:

@@ -1,0 +1,74 @@
+"""`impc serve --served-model-name`: the names a server answers to (vLLM's option), '*' for any name (llama.cpp's
+server's behaviour, which agent stacks sending their own model names need). The default, the bundle's name only, is
+tests/test_server_errors.py's `model-unknown` case and tests/test_server_openai.py's model list."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from imp_runtime.server.service import ModelNames
+from tests.conftest import compiled_smollm2
+from tests.conftest_server import _free_port
+
+
+def test_model_names_of_the_option():
+    assert ModelNames.of((), "bundle") == ModelNames(("bundle",), False)
+    named = ModelNames.of(("local", "gpt-4o-mini", "local"), "bundle")
+    assert named == ModelNames(("local", "gpt-4o-mini"), False)
+    assert named.serves("gpt-4o-mini") and named.serves("local")
+    assert not named.serves("bundle") and not named.serves("claude-sonnet-4-5")
+    anyname = ModelNames.of(("*",), "bundle")
+    assert anyname.names == ("bundle",) and anyname.serves("claude-sonnet-4-5") and anyname.serves("")
+
+
+def serve(*args: str):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from impc.cli import main; sys.exit(main())",
+                             "serve", str(compiled_smollm2("nvfp4")), "--device", "cpu", "--port", str(port),
+                             "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_up(proc, url: str) -> None:
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def test_served_names_and_any_name():
+    proc, url = serve("--served-model-name", "local", "gpt-4o-mini", "*")
+    try:
+        wait_up(proc, url)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["local", "gpt-4o-mini"]
+        assert httpx.get(url + "/health").json()["model"] == "local"
+        assert httpx.get(url + "/v1/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"
+        r = httpx.post(url + "/v1/messages", timeout=60, json={
+            "model": "claude-sonnet-4-5", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "local"
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "gpt-4o-mini", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "local"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("args", [["--served-model-name", ""], ["--served-model-name", " "]])
+def test_empty_names_are_refused(args):
+    proc, _ = serve(*args)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--served-model-name: give non-empty names" in out and "Traceback" not in out
