@@ -9,7 +9,7 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI and Anthropic APIs)",
                        description="Load a bundle and answer OpenAI (/v1/chat/completions, /v1/completions, "
-                                   "/v1/responses, /v1/models) and Anthropic (/v1/messages) requests. "
+                                   "/v1/responses, /v1/models) and Anthropic (/v1/messages) requests, and /tokenize, /detokenize. "
                                    "GET / is a chat page; /metrics is Prometheus; /health needs no key.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -27,6 +27,11 @@ def add_parser(sub) -> None:
                         "(smaller: steadier inter-token latency while prompts arrive; larger: prompts taken in "
                         "faster; default: the bundle's prefill chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default 4)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins (https://host:port, or '*') whose browser pages may call the API: cross-origin "
+                        "requests get CORS headers, as vLLM's --allowed-origins (which defaults to '*'; here none, "
+                        "so a web page cannot drive a local server unless you say so); the chat page at / is "
+                        "same-origin and needs none")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may give, as vLLM's option: the first is the one responses "
                         "report and /v1/models lists first; '*' accepts any name, as llama.cpp's server does (for "
@@ -68,7 +73,8 @@ def cmd_serve(a) -> int:
         print("imp serve: --served-model-name: give non-empty names", file=sys.stderr)
         return 2
     limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20),
-                    step_tokens=a.max_step_tokens, model_names=names)
+                    step_tokens=a.max_step_tokens, model_names=names,
+                    allowed_origins=tuple(a.allowed_origins or ()))
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
     also = [f"'{n}'" for n in svc.model_names[1:]] + (["any model name"] if svc.any_model else [])
     print(f"imp serving {svc.model}{' (also ' + ', '.join(also) + ')' if also else ''} "

@@ -135,7 +135,8 @@ def test_the_async_backend_is_loaded_before_the_first_request():
     import subprocess
     import sys
     code = ("import sys, types\nfrom imp_runtime.server.app import create_app\n"
-            "before = 'anyio._backends._asyncio' in sys.modules\ncreate_app(types.SimpleNamespace())\n"
+            "before = 'anyio._backends._asyncio' in sys.modules\n"
+            "create_app(types.SimpleNamespace(limits=types.SimpleNamespace(allowed_origins=())))\n"
             "print(before, 'anyio._backends._asyncio' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]

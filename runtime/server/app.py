@@ -15,11 +15,12 @@ from importlib import resources
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from imp_runtime.server import anthropic_api, openai_api, responses_api
+from imp_runtime.server import anthropic_api, openai_api, responses_api, tokenize_api
 from imp_runtime.server.errors import APIError, dialect_of, error_response
 from imp_runtime.server.fields import parse_json_object
 from imp_runtime.server.service import Service
@@ -125,6 +126,8 @@ def create_app(svc: Service) -> Starlette:
         Route("/v1/messages", _api(svc, anthropic_api.messages, "/v1/messages"), methods=["POST"]),
         Route("/v1/messages/count_tokens", _api(svc, anthropic_api.count_tokens, "/v1/messages/count_tokens"),
               methods=["POST"]),
+        Route("/tokenize", _api(svc, tokenize_api.tokenize, "/tokenize"), methods=["POST"]),
+        Route("/detokenize", _api(svc, tokenize_api.detokenize, "/detokenize"), methods=["POST"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -132,5 +135,10 @@ def create_app(svc: Service) -> Starlette:
         svc.close()
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
+    if svc.limits.allowed_origins:
+        # browser clients served from other origins (`impc serve --allowed-origins`): their preflights answered here,
+        # before the routes (and the key check, which a preflight cannot pass: browsers send it without the key)
+        app.add_middleware(CORSMiddleware, allow_origins=list(svc.limits.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
     app.state.service = svc
     return app

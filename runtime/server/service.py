@@ -34,6 +34,7 @@ class Limits:
                                          # the executor's largest decode batch)
     page_size: int = 16                  # KV page size reported in metrics
     step_tokens: int | None = None       # tokens one step computes at most (decode rows + prefill); None: the chunk
+    allowed_origins: tuple[str, ...] = ()   # origins whose browser pages may call the API (CORS); () the same origin
     model_names: tuple[str, ...] = ()    # the names requests may give (vLLM's --served-model-name): the first is the
                                          # one responses and /health report; "*" takes any name (as llama.cpp's
                                          # server does); () the bundle's own name only

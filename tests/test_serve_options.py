@@ -1,6 +1,8 @@
-"""`impc serve --served-model-name`: the names a server answers to (vLLM's option), '*' for any name (llama.cpp's
-server's behaviour, which agent stacks sending their own model names need). The default, the bundle's name only, is
-tests/test_server_errors.py's `model-unknown` case and tests/test_server_openai.py's model list."""
+"""`impc serve` options, on a server process of their own:
+- `--served-model-name`: the names a server answers to (vLLM's option), '*' for any name (llama.cpp's server's
+  behaviour, which agent stacks sending their own model names need). The default, the bundle's name only, is
+  tests/test_server_errors.py's `model-unknown` case and tests/test_server_openai.py's model list;
+- `--allowed-origins`: CORS for browser pages of other origins (none by default: tests/test_server_tokenize.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -47,10 +49,18 @@ def wait_up(proc, url: str) -> None:
         time.sleep(0.2)
 
 
-def test_served_names_and_any_name():
-    proc, url = serve("--served-model-name", "local", "gpt-4o-mini", "*")
+def test_served_names_any_name_and_allowed_origins():
+    proc, url = serve("--served-model-name", "local", "gpt-4o-mini", "*", "--allowed-origins", "https://app.example")
     try:
         wait_up(proc, url)
+        ask = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+        pre = httpx.options(url + "/v1/chat/completions", headers=ask, timeout=10)
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        other = httpx.options(url + "/v1/chat/completions", headers={**ask, "Origin": "https://evil.example"},
+                              timeout=10)
+        assert other.headers.get("access-control-allow-origin") is None
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["local", "gpt-4o-mini"]
         assert httpx.get(url + "/health").json()["model"] == "local"
         assert httpx.get(url + "/v1/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"
@@ -62,6 +72,8 @@ def test_served_names_and_any_name():
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "gpt-4o-mini", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200 and r.json()["model"] == "local"
+        r = httpx.post(url + "/tokenize", json={"prompt": "Hi"}, headers={"Origin": "https://app.example"}, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
