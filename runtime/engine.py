@@ -134,7 +134,7 @@ class Engine:
 class Generation:
     """One request's host side: its sampler, its detokenizer and the stop-string hold-back. The
     scheduler feeds it each step's result: `on_logits` where the request samples on the host (logprobs,
-    a token-mask constraint, penalties unless the executor applies them, and a first token that comes from
+    a token-mask constraint, a logit bias, penalties unless the executor applies them, and a first token that comes from
     a prefill's logits), `on_token` where the executor sampled it (decode rows, and a mixed step's prompt-ending
     chunks on executors with `samples_chunks`)."""
 
@@ -150,7 +150,7 @@ class Generation:
         self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
         self.penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)
-        self.host_sampled = (constraint is not None or params.logprobs is not None
+        self.host_sampled = (constraint is not None or params.logprobs is not None or bool(params.logit_bias)
                              or (self.penalised and not getattr(engine.executor, "penalties_on_device", False)))
         self.sampler = Sampler(params, prompt_ids)
         self.detok = engine.tokenizer.detokenizer()

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None      # None: none; n >= 0: the chosen token's and the top n
+    logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to these tokens' logits (host-sampled)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -63,6 +64,9 @@ class Sampler:
             ids = np.fromiter(self.out_counts, dtype=np.int64)
             counts = np.fromiter(self.out_counts.values(), dtype=np.float32)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        if p.logit_bias:                 # after the penalties, as OpenAI's and vLLM's logits processors are
+            ids = np.fromiter(p.logit_bias, dtype=np.int64)
+            logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
         return logits
 
     def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> tuple[int, np.ndarray]:

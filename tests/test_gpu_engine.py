@@ -83,3 +83,24 @@ def test_gpu_penalties_give_the_host_samplers_tokens():
         assert all(len(t) == 24 for t in on_device)
     finally:
         eng.executor.close()
+
+
+def test_logit_bias_row_beside_device_sampled_rows(engine):
+    """A request with a logit bias samples on the host (its logits come back: Generation.host_sampled) in the same
+    steps as requests the GPU samples: +100 on a token makes greedy decoding pick it every time, and the other
+    requests get the tokens they get alone."""
+    from imp_runtime.sampler import SamplingParams
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(4, engine.bundle.spec.vocab_size, n).tolist() for n in (9, 23, 14)]
+    forced = 7 + int(rng.integers(0, engine.bundle.spec.vocab_size - 8))
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params = [plain, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logit_bias={forced: 100.0}), plain]
+    reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    out = {id(r): [] for r in reqs}
+    while not all(r.done for r in reqs):
+        for o in engine.scheduler.step():
+            assert o.error is None, o.error
+            out[id(o.request)].append(o.event.token_id)
+    got = [out[id(r)] for r in reqs]
+    assert got[1] == [forced] * 10
+    assert got[0] == tokens(engine.generate(prompts[0], plain)) and got[2] == tokens(engine.generate(prompts[2], plain))

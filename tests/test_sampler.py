@@ -114,6 +114,16 @@ def test_penalties_by_hand():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+def test_logit_bias_by_hand_after_the_penalties():
+    logits = np.array([2.0, -1.0, 0.5, 3.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.5, logit_bias={3: -100.0, 2: 2.5}), [])
+    s.out_counts = {3: 1}
+    np.testing.assert_allclose(s.penalise(logits), [2.0, -1.0, 3.0, 3.0 - 0.5 - 100.0], rtol=1e-6)
+    assert s.sample(logits)[0] == 2                      # 3 was the argmax before the bias
+    greedy = Sampler(SamplingParams(temperature=0.0, logit_bias={1: 10.0}), [])
+    assert greedy.sample(logits)[0] == 1
+
+
 # ------------------------------------------------------------------ the generation loop
 
 

@@ -184,6 +184,24 @@ def get_obj(obj: dict, name: str, default=None, *, required: bool = False, label
     return _get_typed(obj, name, dict, "an object", default, required, label)
 
 
+def get_logit_bias(obj: dict, name: str, vocab: int) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings: JSON keys) to numbers in [-100, 100], added to
+    those tokens' logits before sampling; -100 bans a token in effect, 100 all but forces it."""
+    v = get_obj(obj, name, {})
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        where = f"{name}[{json.dumps(key)}]"
+        if not (key.isascii() and key.strip().lstrip("-").isdigit()):
+            raise bad_request(where, f"expected a token id as the key, got {json.dumps(key)[:40]}")
+        tid = int(key)
+        if not 0 <= tid < vocab:
+            raise bad_request(where, f"token ids must be in [0, {vocab})")
+        if bias is None:
+            raise bad_request(where, "expected a number in [-100, 100], got null")
+        out[tid] = get_number(v, key, lo=-100.0, hi=100.0, label=where)
+    return out
+
+
 def get_stop(obj: dict, name: str, most: int = 16, allow_string: bool = True) -> list[str]:
     """OpenAI's `stop` (a string or an array of strings; OpenAI allows 4, we allow `most`), or
     Anthropic's `stop_sequences` (an array only)."""

@@ -14,7 +14,7 @@ from imp_runtime.chat_template import TemplateError
 from imp_runtime.engine import Engine, TokenEvent
 from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.errors import APIError, bad_request
-from imp_runtime.server.fields import get_bool, get_int, get_number, get_str
+from imp_runtime.server.fields import get_bool, get_int, get_logit_bias, get_number, get_str
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
 from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
@@ -147,7 +147,8 @@ class Service:
             stop=list(stop),
             # vLLM's extension, which load generators send so every request runs to max_tokens
             ignore_eos=get_bool(body, "ignore_eos", False),
-            logprobs=logprobs)
+            logprobs=logprobs,
+            logit_bias=get_logit_bias(body, "logit_bias", self.engine.bundle.spec.vocab_size))
 
     @staticmethod
     def for_choice(params: SamplingParams, i: int) -> SamplingParams:
