@@ -202,6 +202,16 @@ def get_logit_bias(obj: dict, name: str, vocab: int) -> dict[int, float]:
     return out
 
 
+def get_token_ids(obj: dict, name: str, vocab: int, most: int = 64) -> list[int]:
+    """An array of token ids in [0, vocab) (vLLM's `stop_token_ids`)."""
+    v = get_list(obj, name, [])
+    if len(v) > most or not all(type(x) is int for x in v):       # (type: a bool is not a token id)
+        raise bad_request(name, f"expected an array of at most {most} token ids")
+    if v and (min(v) < 0 or max(v) >= vocab):
+        raise bad_request(name, f"token ids must be in [0, {vocab})")
+    return v
+
+
 def get_stop(obj: dict, name: str, most: int = 16, allow_string: bool = True) -> list[str]:
     """OpenAI's `stop` (a string or an array of strings; OpenAI allows 4, we allow `most`), or
     Anthropic's `stop_sequences` (an array only)."""

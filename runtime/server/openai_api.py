@@ -203,7 +203,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     grammar = (svc.tool_grammar(forced, "tool_choice") if forced
                else format_grammar(svc, body.get("response_format"), "response_format"))
     active_tools = tools if mode != "none" else []
-    ids = svc.encode_chat(messages, active_tools)
+    ids = svc.encode_chat(messages, active_tools, body=body)
     budget = svc.budget(len(ids), max_tokens, "messages", max_field)
     params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
     jobs = [svc.start(request, ids, svc.for_choice(params, i), grammar) for i in range(n)]

@@ -14,7 +14,8 @@ from imp_runtime.chat_template import TemplateError
 from imp_runtime.engine import Engine, TokenEvent
 from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.errors import APIError, bad_request
-from imp_runtime.server.fields import get_bool, get_int, get_logit_bias, get_number, get_str
+from imp_runtime.server.fields import (get_bool, get_int, get_logit_bias, get_number, get_obj, get_str,
+                                      get_token_ids)
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
 from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
@@ -55,6 +56,19 @@ class ModelNames:
 
     def serves(self, name: str) -> bool:
         return self.any or name in self.names
+
+
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def template_kwargs(body: dict) -> dict:
+    """The request's `chat_template_kwargs`: variables for the chat template, not the ones the server sets."""
+    extra = get_obj(body, "chat_template_kwargs", {})
+    for k in extra:
+        if k in _TEMPLATE_OWN or not k.isidentifier():
+            raise bad_request(f"chat_template_kwargs.{k}", "the server sets this variable" if k in _TEMPLATE_OWN
+                              else "expected a template variable name")
+    return extra
 
 
 class Service:
@@ -98,10 +112,15 @@ class Service:
             raise self.unknown_model(name, status)
         return self.model
 
-    def encode_chat(self, messages: list[dict], tools: list[Tool], field_name: str = "messages") -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[Tool], field_name: str = "messages",
+                    body: dict | None = None) -> list[int]:
+        """A chat's prompt ids: the model's template over the messages and tools, with the request's
+        `chat_template_kwargs` (vLLM's and SGLang's field: e.g. Qwen3's {"enable_thinking": false}) where `body` is
+        given."""
         msgs, tools_arg = self.tool_format.prepare(messages, tools)
+        extra = template_kwargs(body) if body is not None else {}
         try:
-            text = self.engine.render_chat(msgs, tools_arg)
+            text = self.engine.render_chat(msgs, tools_arg, **extra)
         except TemplateError as e:
             raise bad_request(field_name, f"the model's chat template refused these messages: {e}") from None
         return self.engine.tokenizer.encode(text)
@@ -145,6 +164,7 @@ class Service:
             frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
             seed=None if seed is None else seed % 2**64,
             stop=list(stop),
+            stop_token_ids=get_token_ids(body, "stop_token_ids", self.engine.bundle.spec.vocab_size),   # vLLM's
             # vLLM's extension, which load generators send so every request runs to max_tokens
             ignore_eos=get_bool(body, "ignore_eos", False),
             logprobs=logprobs,
