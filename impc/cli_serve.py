@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
                         "requests get CORS headers, as vLLM's --allowed-origins (which defaults to '*'; here none, "
                         "so a web page cannot drive a local server unless you say so); the chat page at / is "
                         "same-origin and needs none")
+    p.add_argument("--reasoning-parser", choices=["auto", "none"], default="auto",
+                   help="auto (default): a thinking model's <think> block (a chat template that writes both tags: "
+                        "Qwen3, QwQ, DeepSeek-R1's distillations) comes back apart from the answer, as OpenAI chat's "
+                        "reasoning_content and Anthropic thinking blocks (where the request enables thinking); none: "
+                        "the model's text as it is")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may give, as vLLM's option: the first is the one responses "
                         "report and /v1/models lists first; '*' accepts any name, as llama.cpp's server does (for "
@@ -74,7 +79,7 @@ def cmd_serve(a) -> int:
         return 2
     limits = Limits(max_n=a.max_n, max_running=a.max_running, max_body_bytes=int(a.max_body_mb * 2**20),
                     step_tokens=a.max_step_tokens, model_names=names,
-                    allowed_origins=tuple(a.allowed_origins or ()))
+                    allowed_origins=tuple(a.allowed_origins or ()), reasoning=a.reasoning_parser == "auto")
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
     also = [f"'{n}'" for n in svc.model_names[1:]] + (["any model name"] if svc.any_model else [])
     print(f"imp serving {svc.model}{' (also ' + ', '.join(also) + ')' if also else ''} "

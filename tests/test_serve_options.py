@@ -50,7 +50,8 @@ def wait_up(proc, url: str) -> None:
 
 
 def test_served_names_any_name_and_allowed_origins():
-    proc, url = serve("--served-model-name", "local", "gpt-4o-mini", "*", "--allowed-origins", "https://app.example")
+    proc, url = serve("--served-model-name", "local", "gpt-4o-mini", "*", "--allowed-origins", "https://app.example",
+                      "--reasoning-parser", "none")
     try:
         wait_up(proc, url)
         ask = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",

@@ -16,6 +16,7 @@ from imp_runtime.server.dialect import (block_events, check_tool_set, event_stre
                                          run_to_end, text_of)
 from imp_runtime.server.errors import anthropic_error_body, bad_request
 from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop
+from imp_runtime.server.reasoning import ReasoningPart
 from imp_runtime.server.service import Choice, Service, new_id
 from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
@@ -53,6 +54,8 @@ def parse_messages(body: dict) -> list[dict]:
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise bad_request(bw, "a tool_use block needs a name and an input object")
                 calls.append(ToolCall(b["name"], json.dumps(b.get("input", {}), ensure_ascii=False), str(b.get("id", ""))))
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                pass        # an earlier turn's reasoning, sent back as Anthropic's clients do: not part of the prompt
             elif kind == "tool_result" and role == "user":
                 result = b.get("content", "")
                 out.append({"role": "tool", "content": text_of(result, f"{bw}.content"),
@@ -113,7 +116,8 @@ async def count_tokens(svc: Service, request: Request, body: dict):
 class Blocks:
     """Content blocks from a Choice's parts, and the stream events that build them."""
 
-    def __init__(self):
+    def __init__(self, thinking: bool = False):
+        self.thinking = thinking            # the request enabled thinking: reasoning as thinking blocks, else dropped
         self.blocks: list[dict] = []
         self.open: dict | None = None
         self.events: list[tuple[str, dict]] = []
@@ -124,19 +128,32 @@ class Blocks:
         self._stop()
         self.blocks.append(block)
         self.open = block
-        shown = dict(block, input={}) if block["type"] == "tool_use" else dict(block, text="")
+        shown = (dict(block, input={}) if block["type"] == "tool_use" else dict(block, thinking="")
+                 if block["type"] == "thinking" else dict(block, text=""))
         self.events.append(("content_block_start", {"index": len(self.blocks) - 1, "content_block": shown}))
         if len(self.blocks) == 1:
             self.events.append(("ping", {}))
 
     def _stop(self) -> None:
         if self.open is not None:
-            self.events.append(("content_block_stop", {"index": self.blocks.index(self.open)}))
+            i = self.blocks.index(self.open)
+            if self.open["type"] == "thinking":     # Anthropic's stream signs a thinking block before it stops
+                self.events.append(("content_block_delta", {"index": i, "delta": {
+                    "type": "signature_delta", "signature": self.open["signature"]}}))
+            self.events.append(("content_block_stop", {"index": i}))
             self.open = None
 
     def add(self, parts: list[Part], choice: Choice) -> None:
         for p in parts:
-            if isinstance(p, TextPart):
+            if isinstance(p, ReasoningPart):
+                if not self.thinking:
+                    continue
+                if self.open is None or self.open["type"] != "thinking":
+                    self._start({"type": "thinking", "thinking": "", "signature": ""})   # (no signature: not Claude)
+                self.open["thinking"] += p.text
+                self.events.append(("content_block_delta", {"index": len(self.blocks) - 1,
+                                                            "delta": {"type": "thinking_delta", "thinking": p.text}}))
+            elif isinstance(p, TextPart):
                 if self.open is None or self.open["type"] != "text":
                     self._start({"type": "text", "text": ""})
                 self.open["text"] += p.text
@@ -154,7 +171,7 @@ class Blocks:
                                                                       "partial_json": p.delta}}))
 
     def finish(self) -> None:
-        if not self.blocks:                 # an empty answer is still one (empty) text block
+        if not any(b["type"] != "thinking" for b in self.blocks):   # an empty answer is still one (empty) text block
             self._start({"type": "text", "text": ""})
         self._stop()
         for i, block in self.by_call.items():
@@ -167,6 +184,18 @@ class Blocks:
     def take_events(self) -> list[tuple[str, dict]]:
         ev, self.events = self.events, []
         return ev
+
+
+def _thinking(body: dict) -> bool:
+    """Whether the request enabled extended thinking (`thinking: {"type": "enabled", "budget_tokens": N}`): then a
+    thinking model's reasoning comes back as thinking blocks (the budget is not enforced: max_tokens bounds both)."""
+    t = get_obj(body, "thinking", None)
+    if t is None:
+        return False
+    kind = t.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_request("thinking.type", f"expected enabled, disabled or adaptive, got {json.dumps(kind)}")
+    return kind != "disabled"
 
 
 def _format_grammar(svc: Service, body: dict) -> Grammar | None:
@@ -200,7 +229,8 @@ async def messages(svc: Service, request: Request, body: dict):
     budget = svc.budget(len(ids), max_tokens, "messages", "max_tokens")
     params = svc.sampling(body, budget, temperature_max=1.0, stop=stops)
     job = svc.start(request, ids, params, grammar)
-    choice = Choice(svc, svc.tool_format if tools else None, call_id_prefix="toolu_")
+    choice = Choice(svc, svc.tool_format if tools else None, call_id_prefix="toolu_",
+                    reasoning_start=svc.reasoning_start(ids))
     mid = new_id("msg_")
 
     def stop_info() -> tuple[str, str | None]:
@@ -211,7 +241,7 @@ async def messages(svc: Service, request: Request, body: dict):
         seq = choice.stop_sequence(stops)
         return ("stop_sequence", seq) if seq else ("end_turn", None)
 
-    blocks = Blocks()
+    blocks = Blocks(thinking=_thinking(body))
     if not stream:
         await run_to_end(svc, request, [job], [choice], blocks)
         blocks.finish()

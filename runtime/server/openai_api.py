@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from imp_runtime.server.dialect import check_tool_set, event_stream, messages_of, run_to_end, sse, text_of
 from imp_runtime.server.errors import APIError, bad_request, openai_error_body
 from imp_runtime.server.fields import get_bool, get_int, get_list, get_obj, get_stop, get_str
+from imp_runtime.server.reasoning import ReasoningPart
 from imp_runtime.server.service import Choice, Service, new_id
 from imp_runtime.server.structured import Grammar
 from imp_runtime.server.tools import CallArgs, CallStart, Part, TextPart, Tool, ToolCall, check_tool
@@ -178,6 +179,8 @@ def _chat_deltas(parts: list[Part], choice: Choice) -> list[dict]:
     for p in parts:
         if isinstance(p, TextPart):
             deltas.append({"content": p.text})
+        elif isinstance(p, ReasoningPart):           # vLLM's reasoning parsers' and DeepSeek's field
+            deltas.append({"reasoning_content": p.text})
         elif isinstance(p, CallStart):
             c = choice.calls[p.index]
             deltas.append({"tool_calls": [{"index": p.index, "id": c.id, "type": "function",
@@ -207,7 +210,8 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     budget = svc.budget(len(ids), max_tokens, "messages", max_field)
     params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
     jobs = [svc.start(request, ids, svc.for_choice(params, i), grammar) for i in range(n)]
-    choices = [Choice(svc, svc.tool_format if active_tools else None) for _ in range(n)]
+    start = svc.reasoning_start(ids)
+    choices = [Choice(svc, svc.tool_format if active_tools else None, reasoning_start=start) for _ in range(n)]
     rid, created = new_id("chatcmpl-"), int(time.time())
 
     if not stream:
@@ -251,6 +255,8 @@ async def chat_completions(svc: Service, request: Request, body: dict):
 
 def _message(c: Choice) -> dict:
     msg = {"role": "assistant", "content": c.text if (c.text or not c.calls) else None, "refusal": None}
+    if c.reasoning_text is not None:
+        msg["reasoning_content"] = c.reasoning_text or None
     if c.calls:
         msg["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
                              for t in c.calls]

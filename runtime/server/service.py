@@ -18,6 +18,7 @@ from imp_runtime.server.fields import (get_bool, get_int, get_logit_bias, get_nu
                                       get_token_ids)
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue, Job
+from imp_runtime.server.reasoning import ReasoningPart, ThinkSplitter, opens_inside, template_thinks
 from imp_runtime.server.structured import Grammar, Grammars, GrammarConstraint
 from imp_runtime.server.tools import (CallArgs, CallStart, Part, TextPart, Tool, ToolCall, ToolFormat,
                                       detect_format)
@@ -36,6 +37,7 @@ class Limits:
     page_size: int = 16                  # KV page size reported in metrics
     step_tokens: int | None = None       # tokens one step computes at most (decode rows + prefill); None: the chunk
     allowed_origins: tuple[str, ...] = ()   # origins whose browser pages may call the API (CORS); () the same origin
+    reasoning: bool = True               # a thinking model's <think> block told apart from its answer (reasoning.py)
     model_names: tuple[str, ...] = ()    # the names requests may give (vLLM's --served-model-name): the first is the
                                          # one responses and /health report; "*" takes any name (as llama.cpp's
                                          # server does); () the bundle's own name only
@@ -143,6 +145,13 @@ class Service:
             raise bad_request(max_field, f"{max_tokens} tokens requested after a prompt of {n_prompt} tokens "
                                          f"exceed the model's context of {ctx}; ask for at most {ctx - n_prompt}")
         return max_tokens
+
+    def reasoning_start(self, ids: list[int]) -> bool | None:
+        """For a chat prompt: None where answers are not split into reasoning and answer (the template is no
+        thinking model's, or `--reasoning-parser none`), else whether the prompt left a <think> open."""
+        if not (self.limits.reasoning and template_thinks(self.engine.chat.source)):
+            return None
+        return opens_inside(self.engine.tokenizer.decode(ids[-16:], skip_special_tokens=False))
 
     def sampling(self, body: dict, max_tokens: int, *, temperature_max: float = 2.0, stop: list[str] = (),
                  logprobs: int | None = None) -> SamplingParams:
@@ -294,25 +303,35 @@ class Choice:
     svc: Service
     tool_format: ToolFormat | None
     call_id_prefix: str = "call_"
+    reasoning_start: bool | None = None   # Service.reasoning_start: None, no reasoning split; else starts inside
     raw: list[str] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     finish: str | None = None
 
     def __post_init__(self):
         self.parser = self.tool_format.parser() if self.tool_format else None
+        self.splitter = None if self.reasoning_start is None else ThinkSplitter(self.reasoning_start)
 
-    def add(self, ev: TokenEvent) -> list[Part]:
-        """The parts this token adds to the answer."""
+    def add(self, ev: TokenEvent) -> list[Part | ReasoningPart]:
+        """The parts this token adds to the answer: its reasoning (where split), then text and tool calls."""
         self.events.append(ev)
         self.raw.append(ev.text)
-        if self.parser:
-            parts = self.parser.feed(ev.text)
-            if ev.finish_reason:
-                parts += self.parser.finish()
+        if self.splitter:
+            segments = self.splitter.feed(ev.text) + (self.splitter.finish() if ev.finish_reason else [])
         else:
-            parts = [TextPart(ev.text)] if ev.text else []
+            segments = [(False, ev.text)] if ev.text else []
+        parts: list[Part | ReasoningPart] = []
+        for is_reasoning, text in segments:
+            if is_reasoning:
+                self.reasoning.append(text)
+                parts.append(ReasoningPart(text))
+            else:
+                parts += self.parser.feed(text) if self.parser else [TextPart(text)]
+        if self.parser and ev.finish_reason:
+            parts += self.parser.finish()
         for p in parts:
             if isinstance(p, TextPart):
                 self.content.append(p.text)
@@ -327,6 +346,11 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning where this answer's was split out (possibly empty), else None."""
+        return None if self.splitter is None else "".join(self.reasoning)
 
     @property
     def cached_tokens(self) -> int:
