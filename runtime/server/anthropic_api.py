@@ -230,7 +230,7 @@ async def messages(svc: Service, request: Request, body: dict):
     params = svc.sampling(body, budget, temperature_max=1.0, stop=stops)
     job = svc.start(request, ids, params, grammar)
     choice = Choice(svc, svc.tool_format if tools else None, call_id_prefix="toolu_",
-                    reasoning_start=svc.reasoning_start(ids))
+                    reasoning_start=svc.reasoning_start(ids, grammar))
     mid = new_id("msg_")
 
     def stop_info() -> tuple[str, str | None]:

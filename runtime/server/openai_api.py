@@ -210,7 +210,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     budget = svc.budget(len(ids), max_tokens, "messages", max_field)
     params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
     jobs = [svc.start(request, ids, svc.for_choice(params, i), grammar) for i in range(n)]
-    start = svc.reasoning_start(ids)
+    start = svc.reasoning_start(ids, grammar)
     choices = [Choice(svc, svc.tool_format if active_tools else None, reasoning_start=start) for _ in range(n)]
     rid, created = new_id("chatcmpl-"), int(time.time())
 

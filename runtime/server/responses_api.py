@@ -146,7 +146,7 @@ async def responses(svc: Service, request: Request, body: dict):
     budget = svc.budget(len(ids), max_tokens, "input", "max_output_tokens")
     params = svc.sampling(body, budget)
     job = svc.start(request, ids, params, grammar)
-    choice = Choice(svc, svc.tool_format if active_tools else None, reasoning_start=svc.reasoning_start(ids))
+    choice = Choice(svc, svc.tool_format if active_tools else None, reasoning_start=svc.reasoning_start(ids, grammar))
     rid, created = new_id("resp_"), int(time.time())
 
     def response(status: str, items: list[dict]) -> dict:

@@ -146,12 +146,15 @@ class Service:
                                          f"exceed the model's context of {ctx}; ask for at most {ctx - n_prompt}")
         return max_tokens
 
-    def reasoning_start(self, ids: list[int]) -> bool | None:
+    def reasoning_start(self, ids: list[int], grammar: Grammar | None = None) -> bool | None:
         """For a chat prompt: None where answers are not split into reasoning and answer (the template is no
-        thinking model's, or `--reasoning-parser none`), else whether the prompt left a <think> open."""
+        thinking model's, or `--reasoning-parser none`), else whether the prompt left a <think> open. Also None where
+        the prompt left it open and a grammar constrains the answer: the grammar's text is the answer, from its first
+        token (split, it would all be reasoning)."""
         if not (self.limits.reasoning and template_thinks(self.engine.chat.source)):
             return None
-        return opens_inside(self.engine.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+        inside = opens_inside(self.engine.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+        return None if inside and grammar is not None else inside
 
     def sampling(self, body: dict, max_tokens: int, *, temperature_max: float = 2.0, stop: list[str] = (),
                  logprobs: int | None = None) -> SamplingParams:
