@@ -15,7 +15,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from imp_runtime.bundle import Bundle, load_bundle
-from imp_runtime.chat_template import ChatTemplate
+from imp_runtime.chat_template import ChatTemplate, TemplateError
 from imp_runtime.kv_blocks import BlockManager
 from imp_runtime.sampler import Sampler, SamplingParams, choose, log_softmax, step_rng
 from imp_runtime.scheduler import Request, RequestTooLarge, Scheduler, SchedulerConfig
@@ -84,8 +84,21 @@ class Engine:
         self.blocks = BlockManager(self.executor.num_pages, self.executor.page_size)
         self.scheduler = Scheduler(self.executor, self.blocks, SchedulerConfig.for_executor(self.executor, max_running))
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
-        return self.chat.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
+                    **kwargs) -> str:
+        """The chat's prompt text: the assistant's turn opened after the messages, or (continue_final) the last
+        message, an assistant's, left open so the answer continues it (a prefill: Anthropic's final assistant message,
+        vLLM's continue_final_message): rendered without a new turn and cut after that message's text, as
+        transformers' apply_chat_template(continue_final_message=True) does."""
+        if not continue_final:
+            return self.chat.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+        text = self.chat.render(messages, tools=tools, add_generation_prompt=False, **kwargs)
+        final = messages[-1]["content"].strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise TemplateError("the template does not write the final assistant message's text as it is, so the "
+                                "answer cannot continue it")
+        return text[:at + len(final)]
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(self.render_chat(messages, tools, **kwargs))

@@ -104,7 +104,13 @@ def _prompt(svc: Service, body: dict):
     messages = parse_messages(body)
     tools, mode, forced = parse_tools(svc, body)
     active = tools if mode != "none" else []
-    return svc.encode_chat(messages, active), active, forced
+    # a final assistant message is a prefill: the answer continues it (and holds only what follows it)
+    prefill = (bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+               and bool(messages[-1]["content"]))
+    if prefill and messages[-1]["content"] != messages[-1]["content"].rstrip():
+        raise bad_request(f"messages[{len(body['messages']) - 1}].content",
+                          "a final assistant message cannot end in whitespace")
+    return svc.encode_chat(messages, active, continue_final=prefill), active, forced
 
 
 async def count_tokens(svc: Service, request: Request, body: dict):

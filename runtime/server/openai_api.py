@@ -96,6 +96,16 @@ def format_grammar(svc: Service, fmt, where: str, flat: bool = False) -> Grammar
     raise bad_request(f"{where}.type", f"expected text, json_object, json_schema or regex, got {json.dumps(kind)}")
 
 
+def continue_final(body: dict) -> bool:
+    """vLLM's `continue_final_message` (the answer continues the final assistant message) and `add_generation_prompt`
+    (a new assistant turn; the default), which exclude each other."""
+    cont = get_bool(body, "continue_final_message", False)
+    if get_bool(body, "add_generation_prompt", not cont) == cont:
+        raise bad_request("continue_final_message", "continue the final message or open a new assistant turn "
+                                                    "(add_generation_prompt), one of the two")
+    return cont
+
+
 def parse_chat_messages(body: dict) -> list[dict]:
     out = []
     for w, m, role in messages_of(body, ("system", "developer", "user", "assistant", "tool")):
@@ -206,7 +216,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     grammar = (svc.tool_grammar(forced, "tool_choice") if forced
                else format_grammar(svc, body.get("response_format"), "response_format"))
     active_tools = tools if mode != "none" else []
-    ids = svc.encode_chat(messages, active_tools, body=body)
+    ids = svc.encode_chat(messages, active_tools, body=body, continue_final=continue_final(body))
     budget = svc.budget(len(ids), max_tokens, "messages", max_field)
     params = svc.sampling(body, budget, stop=get_stop(body, "stop"), logprobs=top if want_lp else None)
     jobs = [svc.start(request, ids, svc.for_choice(params, i), grammar) for i in range(n)]

@@ -115,14 +115,16 @@ class Service:
         return self.model
 
     def encode_chat(self, messages: list[dict], tools: list[Tool], field_name: str = "messages",
-                    body: dict | None = None) -> list[int]:
+                    body: dict | None = None, continue_final: bool = False) -> list[int]:
         """A chat's prompt ids: the model's template over the messages and tools, with the request's
         `chat_template_kwargs` (vLLM's and SGLang's field: e.g. Qwen3's {"enable_thinking": false}) where `body` is
-        given."""
+        given; `continue_final`: the answer continues the last message, an assistant's (Engine.render_chat)."""
+        if continue_final and (messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls")):
+            raise bad_request(field_name, "to continue the final message, it must be an assistant's text")
         msgs, tools_arg = self.tool_format.prepare(messages, tools)
         extra = template_kwargs(body) if body is not None else {}
         try:
-            text = self.engine.render_chat(msgs, tools_arg, **extra)
+            text = self.engine.render_chat(msgs, tools_arg, continue_final=continue_final, **extra)
         except TemplateError as e:
             raise bad_request(field_name, f"the model's chat template refused these messages: {e}") from None
         return self.engine.tokenizer.encode(text)

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from imp_runtime.server.errors import bad_request
 from imp_runtime.server.fields import get_bool, get_list, get_str
-from imp_runtime.server.openai_api import parse_chat_messages
+from imp_runtime.server.openai_api import continue_final, parse_chat_messages
 from imp_runtime.server.service import Service
 
 
@@ -24,7 +24,7 @@ async def tokenize(svc: Service, request: Request, body: dict):
     if given[0] == "messages":
         if get_bool(body, "add_special_tokens") or get_bool(body, "add_special"):
             raise bad_request("add_special_tokens", "a chat's special tokens come from its template")
-        ids = svc.encode_chat(parse_chat_messages(body), [], body=body)
+        ids = svc.encode_chat(parse_chat_messages(body), [], body=body, continue_final=continue_final(body))
     else:
         text = get_str(body, given[0], required=True)
         special = (get_bool(body, "add_special", False) if given[0] == "content"      # llama.cpp's default: no BOS
