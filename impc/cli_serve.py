@@ -81,7 +81,7 @@ def cmd_serve(a) -> int:
                     step_tokens=a.max_step_tokens, model_names=names,
                     allowed_origins=tuple(a.allowed_origins or ()), reasoning=a.reasoning_parser == "auto")
     app, svc = build_app(a.bundle, device=a.device, api_key=a.api_key, limits=limits)
-    also = [f"'{n}'" for n in svc.model_names[1:]] + (["any model name"] if svc.any_model else [])
+    also = [f"'{n}'" for n in svc.served.names[1:]] + (["any model name"] if svc.served.any else [])
     print(f"imp serving {svc.model}{' (also ' + ', '.join(also) + ')' if also else ''} "
           f"({svc.engine.executor.name} executor, tool calls as {svc.tool_format.name}) "
           f"on http://{a.host}:{a.port}/{'  [API key required]' if a.api_key else ''}", file=sys.stderr)

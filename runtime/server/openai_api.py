@@ -396,7 +396,7 @@ def model_card(svc: Service, name: str) -> dict:
 
 
 async def list_models(svc: Service, request: Request):
-    return JSONResponse({"object": "list", "data": [model_card(svc, n) for n in svc.model_names]})
+    return JSONResponse({"object": "list", "data": [model_card(svc, n) for n in svc.served.names]})
 
 
 async def get_model(svc: Service, request: Request):

@@ -79,7 +79,6 @@ class Service:
         self.api_key = api_key
         self.limits = limits or Limits()
         self.served = ModelNames.of(self.limits.model_names, engine.name)
-        self.model_names, self.any_model = self.served.names, self.served.any
         self.model = self.served.names[0]           # the name responses and /health report
         self.metrics = Metrics()
         self.metrics.watch_scheduler(engine.scheduler)
@@ -103,7 +102,7 @@ class Service:
         return self.served.serves(name)
 
     def unknown_model(self, name: str, status: int = 404) -> APIError:
-        served = ", ".join(f"'{n}'" for n in self.model_names)
+        served = ", ".join(f"'{n}'" for n in self.served.names)
         return APIError(status, f"model: the model '{name}' does not exist; this server serves {served}",
                         param="model", code="model_not_found")
 
