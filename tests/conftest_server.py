@@ -87,3 +87,31 @@ def chat_prompt_tokens(tok, messages) -> int:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return len(ids)
+
+
+def serve_process(*args: str):
+    """`impc serve` of the cpu-only SmolLM2 bundle as a process of its own with extra options: (process, url)."""
+    import subprocess
+    import sys
+    from tests.conftest import compiled_smollm2
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from impc.cli import main; sys.exit(main())",
+                             "serve", str(compiled_smollm2("nvfp4")), "--device", "cpu", "--port", str(port),
+                             "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_up(proc, url: str, limit_s: float = 120) -> None:
+    """Until the process's /health answers (its output shown if it exits first)."""
+    import httpx
+    deadline = time.time() + limit_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.2)

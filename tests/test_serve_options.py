@@ -5,16 +5,12 @@
 - `--allowed-origins`: CORS for browser pages of other origins (none by default: tests/test_server_tokenize.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from imp_runtime.server.service import ModelNames
-from tests.conftest import compiled_smollm2
-from tests.conftest_server import _free_port
+from tests.conftest_server import serve_process as serve, wait_up
 
 
 def test_model_names_of_the_option():
@@ -25,28 +21,6 @@ def test_model_names_of_the_option():
     assert not named.serves("bundle") and not named.serves("claude-sonnet-4-5")
     anyname = ModelNames.of(("*",), "bundle")
     assert anyname.names == ("bundle",) and anyname.serves("claude-sonnet-4-5") and anyname.serves("")
-
-
-def serve(*args: str):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from impc.cli import main; sys.exit(main())",
-                             "serve", str(compiled_smollm2("nvfp4")), "--device", "cpu", "--port", str(port),
-                             "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_up(proc, url: str) -> None:
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.2)
 
 
 def test_served_names_any_name_and_allowed_origins():

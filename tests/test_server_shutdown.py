@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,28 +18,15 @@ from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue
 from tests.conftest import compiled_smollm2
-from tests.conftest_server import _free_port
+from tests.conftest_server import serve_process, wait_up
 
 LONG = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 def test_sigterm_ends_generations_cleanly():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from impc.cli import main; sys.exit(main())",
-                             "serve", str(compiled_smollm2("nvfp4")), "--device", "cpu", "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = serve_process()
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_up(proc, url)
 
         waiting: dict = {}
 
