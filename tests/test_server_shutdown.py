@@ -17,7 +17,6 @@ from imp_runtime.engine import Engine
 from imp_runtime.sampler import SamplingParams
 from imp_runtime.server.metrics import Metrics
 from imp_runtime.server.queue import FairQueue
-from tests.conftest import compiled_smollm2
 from tests.conftest_server import serve_process, wait_up
 
 LONG = [{"role": "user", "content": "Write a long story about a dragon."}]
