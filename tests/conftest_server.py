@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import socket
+from contextlib import contextmanager
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +81,20 @@ def hf_tokenizer(server):
     tok = PreTrainedTokenizerFast(tokenizer_file=str(server.bundle / "tokenizer.json"))
     tok.chat_template = (server.bundle / "chat_template.jinja").read_text()
     return tok
+
+
+@contextmanager
+def chat_template_swapped(server: LiveServer, source: str):
+    """The live engine renders chat prompts with the template `source` (a jinja2 chat template, the bundle's special
+    tokens) inside the block, its own again after it, whatever the block raises."""
+    from imp_runtime.chat_template import ChatTemplate
+    engine = server.service.engine
+    own = engine.chat
+    engine.chat = ChatTemplate(source, own.special["bos_token"], own.special["eos_token"])
+    try:
+        yield
+    finally:
+        engine.chat = own
 
 
 def chat_prompt_tokens(tok, messages) -> int:

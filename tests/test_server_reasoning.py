@@ -6,12 +6,11 @@ Responses API's text leaves it out; /v1/completions is raw text."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from tests.conftest_server import API_KEY, server  # noqa: F401  (fixture)
+from tests.conftest_server import API_KEY, chat_template_swapped as template, server  # noqa: F401  (fixture)
 
 H = {"Authorization": f"Bearer {API_KEY}"}
 MSGS = [{"role": "user", "content": "Capital of France?"}]
@@ -19,18 +18,6 @@ MSGS = [{"role": "user", "content": "Capital of France?"}]
 THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if opened %}<think>\n{% endif %}{% endif %}"
             "{# </think> #}")
-
-
-@contextmanager
-def template(server, source):
-    from imp_runtime.chat_template import ChatTemplate
-    engine = server.service.engine
-    own = engine.chat
-    engine.chat = ChatTemplate(source, own.special["bos_token"], own.special["eos_token"])
-    try:
-        yield
-    finally:
-        engine.chat = own
 
 
 def post(server, path, body):
@@ -101,17 +88,12 @@ def test_anthropic_thinking_blocks(server):
         assert post(server, "/v1/messages", earlier).status_code == 200      # earlier thinking blocks are taken
 
 
-def test_reasoning_parser_none_keeps_the_text(server):
+def test_reasoning_parser_none_keeps_the_text(server, monkeypatch):
     """`impc serve --reasoning-parser none` (Limits.reasoning False): the thinking template's answer as generated."""
     from dataclasses import replace
     out = "<think>\nIt is Paris.\n</think>\n\nParis."
-    svc = server.service
-    own = svc.limits
-    svc.limits = replace(own, reasoning=False)
-    try:
-        with template(server, THINKING):
-            msg = post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 40, "temperature": 0,
-                                                        "response_format": forced(out)}).json()["choices"][0]["message"]
-    finally:
-        svc.limits = own
+    monkeypatch.setattr(server.service, "limits", replace(server.service.limits, reasoning=False))
+    with template(server, THINKING):
+        msg = post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 40, "temperature": 0,
+                                                    "response_format": forced(out)}).json()["choices"][0]["message"]
     assert msg["content"] == out and "reasoning_content" not in msg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest_server import API_KEY, hf_tokenizer, server  # noqa: F401  (fixtures)
+from tests.conftest_server import API_KEY, chat_template_swapped, hf_tokenizer, server  # noqa: F401  (fixtures)
 
 H = {"Authorization": f"Bearer {API_KEY}"}
 ASK = {"messages": [{"role": "user", "content": "What colour is the sky?"}], "temperature": 0}
@@ -79,13 +79,8 @@ def test_malformed_stop_token_ids_are_a_400(server, value):
 
 
 def test_chat_template_kwargs_reach_the_template(server):
-    from imp_runtime.chat_template import ChatTemplate
-    engine = server.service.engine
-    own = engine.chat
-    engine.chat = ChatTemplate("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-                               "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}",
-                               own.special["bos_token"], own.special["eos_token"])
-    try:
+    with chat_template_swapped(server, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                                       "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"):
         def ids(**kw):
             r = httpx.post(server.url + "/tokenize", headers=H, timeout=60, json={"messages": ASK["messages"], **kw})
             assert r.status_code == 200, r.text
@@ -94,8 +89,6 @@ def test_chat_template_kwargs_reach_the_template(server):
         assert ids() == ids(chat_template_kwargs={"enable_thinking": True}) != off
         assert httpx.post(server.url + "/tokenize", headers=H, json={"prompt": "What colour is the sky?\n/no_think"}
                           ).json()["tokens"][-3:] == off[-3:]
-    finally:
-        engine.chat = own
 
 
 @pytest.mark.parametrize("kw,field", [({"messages": []}, "chat_template_kwargs.messages"),
