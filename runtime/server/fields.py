@@ -202,11 +202,11 @@ def get_logit_bias(obj: dict, name: str, vocab: int) -> dict[int, float]:
     return out
 
 
-def get_token_ids(obj: dict, name: str, vocab: int, most: int = 64) -> list[int]:
-    """An array of token ids in [0, vocab) (vLLM's `stop_token_ids`)."""
-    v = get_list(obj, name, [])
-    if len(v) > most or not all(type(x) is int for x in v):       # (type: a bool is not a token id)
-        raise bad_request(name, f"expected an array of at most {most} token ids")
+def get_token_ids(obj: dict, name: str, vocab: int, most: int | None = 64, *, required: bool = False) -> list[int]:
+    """An array of token ids in [0, vocab) (vLLM's `stop_token_ids`, at most `most`; /detokenize's `tokens`)."""
+    v = get_list(obj, name, [], required=required)
+    if (most is not None and len(v) > most) or not all(type(x) is int for x in v):   # (type: a bool is not an id)
+        raise bad_request(name, "expected an array of " + (f"at most {most} " if most is not None else "") + "token ids")
     if v and (min(v) < 0 or max(v) >= vocab):
         raise bad_request(name, f"token ids must be in [0, {vocab})")
     return v

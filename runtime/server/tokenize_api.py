@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from imp_runtime.server.errors import bad_request
-from imp_runtime.server.fields import get_bool, get_list, get_str
+from imp_runtime.server.fields import get_bool, get_str, get_token_ids
 from imp_runtime.server.openai_api import continue_final, parse_chat_messages
 from imp_runtime.server.service import Service
 
@@ -35,11 +35,6 @@ async def tokenize(svc: Service, request: Request, body: dict):
 
 async def detokenize(svc: Service, request: Request, body: dict):
     svc.check_model(body)
-    ids = get_list(body, "tokens", required=True)
-    vocab = svc.engine.bundle.spec.vocab_size
-    if not all(type(x) is int for x in ids):        # (type, not isinstance: a bool is not a token id)
-        raise bad_request("tokens", "expected an array of token ids")
-    if ids and (min(ids) < 0 or max(ids) >= vocab):
-        raise bad_request("tokens", f"token ids must be in [0, {vocab})")
+    ids = get_token_ids(body, "tokens", svc.engine.bundle.spec.vocab_size, most=None, required=True)
     text = svc.engine.tokenizer.decode(ids, skip_special_tokens=False)
     return JSONResponse({"prompt": text, "content": text})
