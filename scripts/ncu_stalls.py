@@ -18,7 +18,8 @@ import sys
 
 
 def load(path: str) -> tuple[str, list[str], list[list[str]]]:
-    rows = list(csv.reader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     if len(rows) < 3 or rows[0][0] != "Kernel Name":
         sys.exit(f"{path}: not the CSV of `ncu --page source --csv --print-source sass`")
     return rows[0][1], rows[1], rows[2:]
