@@ -200,8 +200,9 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # sum of squares of the new x, a row of them for each of up to 8 batch rows (GR_NB)
     n = 8 * (spec.hidden // 16)
     out.append(("norm_part", "scratch", "f32", (n,), n * 4, None))
-    # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored
-    n = spec.n_heads + 2 * spec.n_kv_heads
+    # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored,
+    # then each kv head's q, key and value heads (--attn-head-ready: the decode attention's wait, attn_decode.cu.j2)
+    n = spec.n_heads + 3 * spec.n_kv_heads
     out.append(("rope_count", "scratch", "i32", (n,), n * 4, None))
     if pair_bar:    # --gemv-pair: the grid barrier of the launches doing two GEMVs (templates/gemv_ring_pair.cu.j2)
         out.append(("pair_bar", "scratch", "i32", (1,), 4, None))

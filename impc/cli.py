@@ -111,6 +111,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--gemv-pair-only", choices=("o-gate-up", "down-qkv"), default="",
                    help="--gemv-pair with one of its two pairs only (implies --gemv-pair): o-gate-up, o and gate_up; "
                         "down-qkv, down and the next layer's qkv")
+    p.add_argument("--attn-head-ready", action=argparse.BooleanOptionalAction, default=False,
+                   help="Hopper decode at one row with the qkv projection's rope tail (the 8B shape): the decode "
+                        "attention's blocks of a kv head start once its q, key and value are stored, instead of "
+                        "waiting for the whole qkv launch (off by default until measured; not with --gemv-pair)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
@@ -190,6 +194,10 @@ def cmd_compile(a) -> int:
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
     if a.gemv_pair_only:
         a.gemv_pair = True
+    if a.attn_head_ready and a.gemv_pair:
+        from impc.errors import CompileError
+        raise CompileError("--attn-head-ready does not go with --gemv-pair (the pair launch's rope tail counts no kv "
+                           "heads for the attention to wait on); pick one")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,

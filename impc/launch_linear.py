@@ -17,6 +17,7 @@ from imp_runtime.spec import ModelSpec
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
 PDL_KERNELS = ("gemv_", "rmsnorm_residual", "rmsnorm_add", "qkv_rope_cache_f16", "attn_decode_f16", "attn_decode_rope_f16",
+               "attn_decode_ready_f16",
                "logits_softcap", "sample_tokens", "gemm_wq")
 # templates/gemv_ring.cu.j2 gemv_ring_* (rendered from these): the decode GEMV streamed through a per-warp cp.async ring,
 # GR_STAGES deep, GR_UR chunk groups (4 x 32 k) a stage; its dynamic shared memory; the batches it is built for
@@ -443,15 +444,19 @@ class LinearLaunches:
             rope_args = []
             if rope is not None and self.rope_tail_ok(kern, lin, mode):
                 # (before the norm's: a streamed GEMV's last four arguments are those, GEMV_NORM_PARAMS)
-                kern = "gemv_ring3_rope_" + kern[len("gemv_ring3_"):]
+                # (--attn-head-ready: the variant that also counts each kv head in for the attention after it, in
+                # rope_count past the heads' tile counts)
+                ready = self.opt.attn_head_ready
+                kern = ("gemv_ring3_rope_ready_" if ready else "gemv_ring3_rope_") + kern[len("gemv_ring3_"):]
                 self.kernel_smem[kern] = smem
                 i, inputs = rope
                 s = self.spec
                 rope_args = [*inputs, ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("rope_count")]
                 heads = s.n_heads + 2 * s.n_kv_heads
-                reads += [("positions", m * 4), ("kv_slots", m * 4), ("rope_count", heads * 4)]
+                counts = (heads + (s.n_kv_heads if ready else 0)) * 4
+                reads += [("positions", m * 4), ("kv_slots", m * 4), ("rope_count", counts)]
                 writes += [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2),
-                           ("rope_count", heads * 4)]
+                           ("rope_count", counts)]
             e.add(kern, (grid,), (256,),
                   [ptr(a), *lin.weight_args(), ptr(out), i32(lin.n), i32(lin.k), i32(rows), i32(e.add_mode(kern, mode, out)),
                    *rope_args, *norm_args],

@@ -67,12 +67,18 @@ class ProgramOptions:
                                       # in one launch, the second's weights streaming under the first (launch_linear.py
                                       # pair_ok, pair_gated_ok; off: measured 5.5-6.8% slower at one row on an H200)
     gemv_pair_only: str = ""          # with gemv_pair: "o-gate-up" or "down-qkv", that pair alone ("": both)
+    attn_head_ready: bool = False     # Hopper one-row decode with qkv's rope tail: the decode attention's blocks of a
+                                      # kv head start when the rope tails have stored its q, key and value (a count a
+                                      # kv head) instead of waiting for the whole qkv launch (templates/attn_decode.cu.j2)
 
     def __post_init__(self) -> None:
         if self.gemv_pair_only not in PAIR_KINDS:
             raise ValueError(f"gemv_pair_only: one of {PAIR_KINDS}, not {self.gemv_pair_only!r}")
         if self.gemv_pair_only and not self.gemv_pair:
             raise ValueError("gemv_pair_only needs gemv_pair")
+        if self.attn_head_ready and self.gemv_pair:
+            # (the pair launch's rope tail counts no kv heads, nor would its unfused fallback's attention wait on them)
+            raise ValueError("attn_head_ready and gemv_pair do not go together")
 
     def pair(self, kind: str) -> bool:
         """Whether the program fuses pair kind ("o-gate-up": o and gate_up, "down-qkv": down and the next layer's qkv)
@@ -138,6 +144,13 @@ def kernels_not_launched(spec: ModelSpec, target: dict, options: ProgramOptions)
         out.add("gemm_wgp_qkv_f16")     # (templates/gemm_wgmma.cu.j2: emitted with --prefill-qkv-epilogue only)
     if target["compute_capability"][0] == 9 and (rope_in_attention or not options.qkv_rope_tail):
         out.add("gemv_ring3_rope_nvfp4_nb1")    # (templates/gemv_ring.cu.j2: the qkv GEMV's rope tail, one row)
+    if not (target["compute_capability"][0] == 9 and options.attn_head_ready and not rope_in_attention
+            and options.qkv_rope_tail):     # (--attn-head-ready's: templates/attn_decode.cu.j2, gemv_ring.cu.j2)
+        out.add("attn_decode_ready_f16")
+        if attn_decode_geometry(spec, target)["smem3"]:
+            out.add("attn_decode_ready_f16_r3")
+        if target["compute_capability"][0] == 9:
+            out.add("gemv_ring3_rope_ready_nvfp4_nb1")
     if target["compute_capability"][0] == 9:
         # (templates/gemv_ring_pair.cu.j2, by the shape: down and the next qkv, o and gate_up, at one row)
         out |= {k for k, ok in (("gemv_ring_pair_nvfp4_nb1", pair_shape(spec) and not options.pair("down-qkv")),
@@ -179,6 +192,7 @@ class ProgramBuilder(LinearLaunches):
         options = resolve_options(spec, options)
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
         self.gemv_rows = options.gemv_max_rows
+        self.head_ready = False          # (layers: the current layer's attention waits for the kv heads' counts)
         self.seed = synthetic_seed
         t = plan["targets"][target["name"]]
         self.page, self.chunk, self.kv_pages = t["page_size"], t["prefill_chunk"], t["kv_pages"]
@@ -200,6 +214,10 @@ class ProgramBuilder(LinearLaunches):
         self.kernel_smem = {self.fa_kernel: self.fa_smem, "attn_decode_f16": self.ad["smem2"]}
         if self.ad["smem3"]:
             self.kernel_smem["attn_decode_f16_r3"] = self.ad["smem3"]
+        if options.attn_head_ready:
+            self.kernel_smem["attn_decode_ready_f16"] = self.ad["smem2"]
+            if self.ad["smem3"]:
+                self.kernel_smem["attn_decode_ready_f16_r3"] = self.ad["smem3"]
         if options.rope_in_attention:
             self.kernel_smem["attn_decode_rope_f16"] = self.ad["smem2"] + self.ad["q_smem"]
             if self.ad["smem3"]:
@@ -272,6 +290,7 @@ class ProgramBuilder(LinearLaunches):
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
+            self.head_ready = False      # this layer's attention waits for the kv heads' counts (set below)
             fused = self.qkv_epilogue_ok(qkv, dec)     # q / k norm, RoPE and the KV append in the qkv GEMM
             if paired:
                 fused, paired = True, False
@@ -283,9 +302,11 @@ class ProgramBuilder(LinearLaunches):
                 if fused:
                     self.linear_wgmma(e, "hb", qkv, "qkv", rows, 0, rope=(i, self.rope_inputs(i)))
                 else:
-                    # ... or in the qkv GEMV's tail (rope_tail_ok)
+                    # ... or in the qkv GEMV's tail (rope_tail_ok), which with --attn-head-ready counts each kv
+                    # head's q, key and value in for the attention after it (attn_decode ready)
                     fused = self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled,
                                         rope=None if rope_in_attention else (i, self.rope_inputs(i)))
+                    self.head_ready = fused and self.opt.attn_head_ready
             if not rope_in_attention and not fused:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
@@ -394,11 +415,13 @@ class ProgramBuilder(LinearLaunches):
         return max(1, min(ATTN_GRID_SPLITS, -(-2 * self.sm_count // (b * self.spec.n_kv_heads))))
 
     def attn_decode(self, e: _Emitter, i: int, window: int, ofmt: int, rows, splits: int, planes: bool,
-                    rope: bool = False) -> None:
+                    rope: bool = False, ready: bool = False) -> None:
         """Decode attention of `rows` rows (one new token each: sequence seq_slot[r], seq_len[r] keys) from q rows
         0.. into attn rows 0..; one launch: the last block of each (sequence, kv head) merges its splits
         (templates/attn_decode.cu.j2). rope: from the qkv rows instead of q, the q/k norm, RoPE and the new key and
-        value's append done in the kernel (attn_decode_rope_*, in place of qkv_rope_cache_f16)."""
+        value's append done in the kernel (attn_decode_rope_*, in place of qkv_rope_cache_f16). ready
+        (--attn-head-ready, one row): each kv head's blocks wait for its count from qkv's rope tails (rope_count past
+        the heads' tile counts) instead of the grid dependency."""
         s, b = self.spec, ev(rows, self.rows_max, self.MB)
         part = b * s.n_heads * splits * attn_partial_row(s.head_dim) * 4     # partials of `splits` splits
         counts = b * s.n_kv_heads * 4
@@ -406,10 +429,15 @@ class ProgramBuilder(LinearLaunches):
         # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
         ring3 = splits <= 2 and isinstance(rows, int) and self.ad["smem3"] is not None
         kernel, smem = ("attn_decode_f16_r3", self.ad["smem3"]) if ring3 else ("attn_decode_f16", self.ad["smem2"])
+        heads = s.n_heads + 2 * s.n_kv_heads
+        assert not (ready and (rope or rows != 1)), "the kv heads' ready counts are one row's, from qkv's rope tail"
         common = [ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"), ptr("partial"), ptr("attn_counts"), ptr("attn"),
                   i32(window), i32(self.max_pages), i32(ofmt)]
         reads = [("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part), ("attn_counts", counts)]
         writes = [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))]
+        if ready:
+            reads.append(("rope_count", (heads + s.n_kv_heads) * 4))
+            writes.append(("rope_count", (heads + s.n_kv_heads) * 4))
         if rope:
             kernel, smem = kernel.replace("attn_decode_", "attn_decode_rope_"), smem + self.ad["q_smem"]
             args = [ptr("qkv"), *self.rope_inputs(i), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), *common]
@@ -418,6 +446,9 @@ class ProgramBuilder(LinearLaunches):
         else:
             args = [ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), *common]
             reads += [("q", b * s.q_dim * 2)]
+        if ready:       # attn_decode_ready_*: the kv heads' counts after the heads' tile counts
+            kernel = kernel.replace("attn_decode_", "attn_decode_ready_")
+            args.append(ptr("rope_count", heads * 4))
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
     def sample(self, e: _Emitter, rows, host: bool = False) -> None:
@@ -458,7 +489,7 @@ class ProgramBuilder(LinearLaunches):
         rope = self.opt.rope_in_attention
 
         def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec, rope=rope)
+            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec, rope=rope, ready=self.head_ready)
             # the o projection after it without programmatic dependent launch where it runs the GEMV: with it, its
             # GEMV blocks (two an SM, up to half the register file each) sit waiting beside the attention's last,
             # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the

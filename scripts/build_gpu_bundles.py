@@ -33,7 +33,7 @@ TINY = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2": "qwen2"
 # Hopper's NVFP4 decode GEMM (--gemv-max-rows 0; its layers' K are multiples of 256)
 GEMV_MAX_ROWS = {"qwen3-wide": 0, "qwen3-wide-i8": 0, "syn-qwen3-8b-2l": 8, "syn-qwen3-8b-2l-rolled": 8,
                  "syn-qwen3-8b-2l-pair": 8, "syn-llama-8b-2l": 8, "syn-llama-8b-2l-rolled": 8,
-                 "syn-llama-8b-2l-pair": 8}
+                 "syn-llama-8b-2l-pair": 8, "syn-qwen3-8b-2l-ready": 8}
 # syn-qwen3-8b-2l: the 8B shape's streamed GEMVs at every row count they serve, 1-8 (8 rows: the default where hidden
 # < 4096, e.g. Qwen3-1.7B's; the 8B's own default is 4, its 8 rows on the GEMM, tested on qwen3-wide)
 # qwen3-wide-i8: qwen3-wide untied, its head INT8: with --gemv-max-rows 0 the head on the INT8 GEMM at every batch too
@@ -49,6 +49,8 @@ SYNTHETIC = {"syn-qwen3-0.6b": "examples/qwen3-0.6b.json", "syn-gemma3-hd256": "
              "syn-qwen3-8b-2l-rolled": "tests/data/qwen3-8b-2layers.json",
              # ... with --gemv-pair (one row's down and the next qkv in one launch)
              "syn-qwen3-8b-2l-pair": "tests/data/qwen3-8b-2layers.json",
+             # ... with --attn-head-ready (one row's attention waits for its kv head's count, not the qkv launch)
+             "syn-qwen3-8b-2l-ready": "tests/data/qwen3-8b-2layers.json",
              # the Llama-3.1-8B shape's layers: down's K 14,336 (7 stages a warp, gemv_ringxr_* and the pair's first
              # GEMV), no q/k norm in the rope tail, Llama-3 RoPE scaling; as the Qwen3-8B shape's three
              "syn-llama-8b-2l": "tests/data/llama-8b-2layers.json",
@@ -90,6 +92,7 @@ def build(names: list[str]) -> None:
                                                                          gemv_max_rows=GEMV_MAX_ROWS.get(name),
                                                                          gemv_ring_unroll=not name.endswith("-rolled"),
                                                                          gemv_pair=name.endswith("-pair"),
+                                                                         attn_head_ready=name.endswith("-ready"),
                                                                          gpu_penalties=False)), seed=1)
         else:
             raise ValueError(f"unknown GPU test bundle {name}")

@@ -349,7 +349,8 @@ def test_synthetic_runs():
                                           ("qwen3-wide", 10), ("qwen3-wide", 300), ("qwen3-wide-i8", 300),
                                           ("syn-qwen3-8b-2l", 300), ("syn-qwen3-8b-2l-rolled", 300),
                                           ("syn-qwen3-8b-2l-pair", 300), ("syn-llama-8b-2l", 300),
-                                          ("syn-llama-8b-2l-pair", 300),
+                                          ("syn-llama-8b-2l-pair", 300), ("syn-qwen3-8b-2l-ready", 10),
+                                          ("syn-qwen3-8b-2l-ready", 300), ("syn-qwen3-8b-2l-ready", 3000),
                                           ("qwen3-rope", 10), ("qwen3-rope", 300)])
 def test_decode_is_batch_invariant(name, context):
     """One sequence's logits are bitwise the same whether it is decoded alone or among other sequences of other
@@ -361,7 +362,9 @@ def test_decode_is_batch_invariant(name, context):
     GEMVs at 1, 2, 4 and 8 rows are the streamed ones (qkv on gemv_ring3_*, at one row gemv_ring3_rope_*, qkv_rope's work in its tail,
     the others its launch after; the test bundle runs 8 rows on them too; one row's
     gate_up on the unrolled loop, -rolled: on the rolled one, --no-gemv-ring-unroll; -pair: one row's down and the next
-    qkv in one launch, --gemv-pair, the other batches their two launches; syn-llama-8b-2l: the Llama-3.1-8B shape's, down
+    qkv in one launch, --gemv-pair, the other batches their two launches; -ready: one row's attention blocks start on
+    their kv head's count from qkv's rope tails instead of the grid dependency, --attn-head-ready, at contexts of one
+    split and of many; syn-llama-8b-2l: the Llama-3.1-8B shape's, down
     7 stages a warp, no q/k norm); qwen3-rope, whose decode attention appends
     the new key and value itself (--rope-in-attention)."""
     from imp_runtime.bundle import load_bundle

@@ -474,9 +474,62 @@ def test_rope_in_attention_program():
     assert omit == {"attn_prefill_f16"} | (
         {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {      # (--prefill-qkv-epilogue's kernel)
         "gemv_ring3_rope_nvfp4_nb1"} | {                                        # (the rope tail's, below)
-        "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}           # (--gemv-pair's)
+        "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"} | {         # (--gemv-pair's)
+        "gemv_ring3_rope_ready_nvfp4_nb1", "attn_decode_ready_f16", "attn_decode_ready_f16_r3"}   # (--attn-head-ready's)
     assert {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} <= kernels_not_launched(
         spec, t, ProgramOptions(rope_in_attention=False))
+
+
+def test_attn_head_ready_program():
+    """--attn-head-ready (off by default): at one decode row of the 8B shape, each layer's qkv launch is
+    gemv_ring3_rope_ready_nvfp4_nb1 (the same arguments as gemv_ring3_rope_nvfp4_nb1's; its kv heads' counts in
+    rope_count past the heads' tile counts, which has room for them) and the attention after it attn_decode_ready_*
+    with those counts (rope_count + the heads' counts) as one more argument, both reading and writing those bytes;
+    every other launch and phase is the default program's. The default cubin leaves both kernels out; rejected with
+    --gemv-pair (whose pair launch counts no kv heads)."""
+    from impc.launches import ProgramOptions, build_program, kernels_not_launched
+    from impc.plan import plan_memory
+    from impc.targets import load_target
+    from tests.test_templates_compile import SHAPES, default_formats
+    spec = SHAPES["qwen3-8b"]
+    formats = default_formats(spec)
+    t = load_target("sm_90a")
+    plan = plan_memory(spec, formats, [t], None, 4096, 64)
+    base = build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=False), None)
+    on = build_program(spec, formats, t, plan, ProgramOptions(gemv_pair=False, attn_head_ready=True), None)
+    heads = spec.n_heads + 2 * spec.n_kv_heads
+    counts = ("rope_count", (heads + spec.n_kv_heads) * 4)
+    assert on.buffers["rope_count"].bytes >= counts[1]
+    for pa, pb in zip(on.phases, base.phases, strict=True):
+        assert (pa.phase, pa.tokens) == (pb.phase, pb.tokens)
+        for xa, xb in zip(pa.launches, pb.launches, strict=True):
+            if not (pa.phase == "decode" and pa.tokens == 1):
+                assert xa == xb
+            elif xb.kernel == "gemv_ring3_rope_nvfp4_nb1":
+                assert xa.kernel == "gemv_ring3_rope_ready_nvfp4_nb1" and xa.args == xb.args
+                assert counts in xa.reads and counts in xa.writes
+                assert (xa.grid, xa.block, xa.smem, xa.pdl) == (xb.grid, xb.block, xb.smem, xb.pdl)
+            elif xb.kernel.startswith("attn_decode_"):
+                assert xa.kernel == xb.kernel.replace("attn_decode_", "attn_decode_ready_")
+                assert xa.args == (*xb.args, {"ptr": "rope_count", "offset": heads * 4})
+                assert (xa.grid, xa.block, xa.smem, xa.pdl) == (xb.grid, xb.block, xb.smem, xb.pdl)
+                assert counts in xa.reads and counts in xa.writes
+            else:
+                assert xa == xb
+    kinds = [x.kernel for x in on.phase("decode", 1).launches]
+    assert kinds.count("gemv_ring3_rope_ready_nvfp4_nb1") == spec.n_layers
+    assert sum(k.startswith("attn_decode_ready_") for k in kinds) == spec.n_layers
+    ready_kernels = {"gemv_ring3_rope_ready_nvfp4_nb1", "attn_decode_ready_f16", "attn_decode_ready_f16_r3"}
+    assert ready_kernels <= kernels_not_launched(spec, t, ProgramOptions())
+    assert not ready_kernels & kernels_not_launched(spec, t, ProgramOptions(attn_head_ready=True))
+    with pytest.raises(ValueError, match="gemv_pair"):
+        ProgramOptions(gemv_pair=True, attn_head_ready=True)
+    # ... and at the command line, an error naming both flags, no traceback, nothing written
+    out = ROOT / "build" / "no-such-output-head-ready"
+    r = impc("compile", "--synthetic", str(ROOT / "examples" / "qwen3-8b.json"), "-o", str(out), "--target", "sm_90a",
+             "--attn-head-ready", "--gemv-pair")
+    assert r.returncode != 0 and "--attn-head-ready" in r.stderr and "--gemv-pair" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_qkv_rope_tail_program():
@@ -500,7 +553,7 @@ def test_qkv_rope_tail_program():
     off = build_program(spec, formats, t, plan, ProgramOptions(gemv_max_rows=8, qkv_rope_tail=False, gemv_pair=False),
                         None)
     heads = spec.n_heads + 2 * spec.n_kv_heads
-    assert on.buffers["rope_count"].bytes == heads * 4
+    assert on.buffers["rope_count"].bytes == (heads + spec.n_kv_heads) * 4     # (the kv heads': --attn-head-ready)
     assert any(x.kernel == "fill_f32" and x.args[0]["ptr"] == "rope_count" for x in on.phase("init", 0).launches)
     for pa, pb in zip(on.phases, off.phases):
         assert (pa.phase, pa.tokens) == (pb.phase, pb.tokens)

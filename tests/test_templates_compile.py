@@ -11,6 +11,7 @@ EXPECTED = ["embedding_gather", "embedding_gather_nvfp4", "gather_rows_f32", "rm
             "gemm_bf16", "logits_softcap", "sample_tokens", "fill_random_bytes", "fill_f32", "fill_random_bf16",
             "act_gated_x", "qkv_rope_cache_f16", "attn_decode_f16", "attn_prefill_f16", "attn_prefill_merge", "gemm_nvfp4_f16",
             "attn_decode_rope_f16",                                 # --rope-in-attention
+            "attn_decode_ready_f16",                                # --attn-head-ready
             *[f"gemv_{g}{f}_nb{n}" for g in ("", "gated_") for f in ("nvfp4", "bf16") for n in (1, 2, 4, 8, 16)],
             "gemv_nvfp4_norm_nb1", "gemv_gated_nvfp4_norm_nb1",     # batch 1 with RMSNorm fused (hidden <= 8192)
             "gemv_bf16_norm_nb1", "gemv_gated_bf16_norm_nb1",       # ... bf16 weights too
@@ -22,6 +23,7 @@ EXPECTED_SM90 = ["dequant_nvfp4_f16", *[f"gemm_wg{n}_{t}" for n in (64, 128, 256
                  *[f"gemv_ring_{g}nvfp4_nb{n}" for g in ("", "gated_") for n in (1, 2, 4, 8)],
                  *[f"gemv_ring3_nvfp4_nb{n}" for n in (1, 2, 4)],     # the streamed GEMV
                  "gemv_ring3_rope_nvfp4_nb1",                           # ... with qkv_rope's work in its tail
+                 "gemv_ring3_rope_ready_nvfp4_nb1", "attn_decode_ready_f16_r3",   # (--attn-head-ready)
                  "gemv_ringx_nvfp4_nb1", "gemv_ringx_gated_nvfp4_nb1", "gemv_ringx3_nvfp4_nb1",   # ... its staged x
                  "gemv_ringxr_gated_nvfp4_nb1"]      # ... its stage loop unrolled (one row's gate_up by default)
 
@@ -108,7 +110,10 @@ def test_templates_compile(shape, target):
         assert rope <= launched | {"attn_decode_rope_f16_r3"}
         rope = {"gemv_ring3_rope_nvfp4_nb1"} if target == "sm_90a" else set()   # (the qkv GEMV's rope tail)
     unpaired = set() if ProgramOptions().gemv_pair else pair        # (--gemv-pair's kernels left out without it)
-    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue | unpaired
+    ready = {"attn_decode_ready_f16"} | (          # (--attn-head-ready's kernels left out without it)
+        {"attn_decode_ready_f16_r3", "gemv_ring3_rope_ready_nvfp4_nb1"} if target == "sm_90a" else set())
+    assert omit == ({"attn_prefill_f16"} if "attn_prefill_wg" in launched else set()) | rope | qkv_epilogue | unpaired \
+        | ready
     pruned = render(spec, t, {}, omit)
     assert all(f"\n{k}(" not in pruned and f"\n{k}(" in src for k in omit)
     # Hopper prefill runs its layer GEMMs on wgmma (from fp16 copies expanded at load), nothing else does (the
@@ -163,7 +168,8 @@ def test_prefill_attention_option():
                                                             gemv_pair=False)) == (
             {"attn_prefill_f16"} if option == "wgmma" else set()) | {"attn_decode_rope_f16", "attn_decode_rope_f16_r3"} | (
             {"gemm_wgp_qkv_f16"} if spec.head_dim in (64, 128) else set()) | {
-            "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"}     # (--gemv-pair's)
+            "gemv_ring_pair_nvfp4_nb1", "gemv_ring_pair_gated_nvfp4_nb1"} | {   # (--gemv-pair's)
+            "attn_decode_ready_f16", "attn_decode_ready_f16_r3", "gemv_ring3_rope_ready_nvfp4_nb1"}   # (--attn-head-ready's)
 
 
 def test_gpu_penalties_program():
