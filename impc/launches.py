@@ -214,10 +214,6 @@ class ProgramBuilder(LinearLaunches):
         self.kernel_smem = {self.fa_kernel: self.fa_smem, "attn_decode_f16": self.ad["smem2"]}
         if self.ad["smem3"]:
             self.kernel_smem["attn_decode_f16_r3"] = self.ad["smem3"]
-        if options.attn_head_ready:
-            self.kernel_smem["attn_decode_ready_f16"] = self.ad["smem2"]
-            if self.ad["smem3"]:
-                self.kernel_smem["attn_decode_ready_f16_r3"] = self.ad["smem3"]
         if options.rope_in_attention:
             self.kernel_smem["attn_decode_rope_f16"] = self.ad["smem2"] + self.ad["q_smem"]
             if self.ad["smem3"]:
@@ -449,6 +445,7 @@ class ProgramBuilder(LinearLaunches):
         if ready:       # attn_decode_ready_*: the kv heads' counts after the heads' tile counts
             kernel = kernel.replace("attn_decode_", "attn_decode_ready_")
             args.append(ptr("rope_count", heads * 4))
+            self.kernel_smem[kernel] = smem      # (only where launched: a shape whose qkv takes no rope tail has none)
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
     def sample(self, e: _Emitter, rows, host: bool = False) -> None:

@@ -16,6 +16,9 @@
 #       patch:NAME:FILE  the bench shapes' default bundles compiled by this tree's HEAD with the patch FILE applied
 #               (e.g. experiments/*.patch: a kernel probe kept out of the templates until measured), build/kit/NAME/
 #               {T,S,L}: a third side for the same ab_bench call (scripts/ab_bench.py base/T bench/T NAME/T)
+#       flags:NAME:FLAGS  the bench shapes' bundles compiled by this tree with `impc compile` flags FLAGS (commas
+#               between them, e.g. flags:ahr:--attn-head-ready or flags:np:--no-gemv-ring-unroll,--no-qkv-rope-tail),
+#               build/kit/NAME/{T,S,L}: an off-by-default option against the default in one ab_bench call
 #   scripts/gpu_kit.sh unpack ARCHIVE             on the GPU machine, in the project's root: ARCHIVE into build/kit/
 #   scripts/gpu_kit.sh suite OUT kernels|8b|model on the GPU machine after unpack (and `source scripts/gpu_env.sh`):
 #                                                 a third of the GPU test suite on build/kit/tb (the kernel tests but
@@ -24,7 +27,7 @@
 # On the GPU machine, e.g.:
 #   bash scripts/gpu_kit.sh unpack build/kit.tar.xz && source scripts/gpu_env.sh && bash scripts/gpu_kit.sh suite OUT 8b
 set -uo pipefail
-USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:COMMIT|patch:NAME:FILE ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
+USAGE="usage: scripts/gpu_kit.sh build ARCHIVE [suite|pair|bench|cutlass|base:COMMIT|patch:NAME:FILE|flags:NAME:FLAGS ...] | unpack ARCHIVE | suite OUT kernels|8b|model"
 MODE=${1:?$USAGE}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=$ROOT/build/kit
@@ -48,6 +51,17 @@ case $MODE in
               --target sm_90a --vram "$vram" ${flag:+"$flag"} -q || exit 1
           done;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
+        flags:*)
+          IFS=: read -r _ dest flags <<< "$part"
+          [[ -n $dest && -n $flags ]] || { echo "flags:NAME:FLAGS needs a name and flags ($part)" >&2; exit 2; }
+          case $dest in tb|pc|bench|base|cc|*/*) echo "flags:$dest: a name the kit uses already" >&2; exit 2;; esac
+          IFS=, read -r -a extra <<< "$flags"
+          for b in $BENCH; do
+            IFS=: read -r name cfg vram <<< "$b"
+            "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$KIT/$dest/$name" \
+              --target sm_90a --vram "$vram" -q "${extra[@]}" || exit 1
+          done
+          { git -C "$ROOT" rev-parse HEAD; echo "flags: ${extra[*]}"; } > "$KIT/$dest/COMMIT";;
         base:*|patch:*)
           if [[ $part == base:* ]]; then commit=${part#base:} dest=base patch=
           else

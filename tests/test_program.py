@@ -522,6 +522,17 @@ def test_attn_head_ready_program():
     ready_kernels = {"gemv_ring3_rope_ready_nvfp4_nb1", "attn_decode_ready_f16", "attn_decode_ready_f16_r3"}
     assert ready_kernels <= kernels_not_launched(spec, t, ProgramOptions())
     assert not ready_kernels & kernels_not_launched(spec, t, ProgramOptions(attn_head_ready=True))
+    # where no qkv takes the rope tail (the attention's own rope: tiny-llama's shape) the option launches nothing of
+    # its own, and nothing the cubin leaves out is launched or given shared memory (the program's validation)
+    for name in ("qwen3-8b", "tiny-llama"):
+        sp = SHAPES[name]
+        f = default_formats(sp)
+        opts = ProgramOptions(gemv_pair=False, attn_head_ready=True)
+        prog = build_program(sp, f, t, plan_memory(sp, f, [t], None, min(4096, sp.max_position), 64), opts, None)
+        omit = kernels_not_launched(sp, t, opts)
+        assert not omit & {x.kernel for ph in prog.phases for x in ph.launches} and not omit & set(prog.kernel_smem)
+        if name == "tiny-llama":
+            assert ready_kernels <= omit
     with pytest.raises(ValueError, match="gemv_pair"):
         ProgramOptions(gemv_pair=True, attn_head_ready=True)
     # ... and at the command line, an error naming both flags, no traceback, nothing written
