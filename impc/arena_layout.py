@@ -137,6 +137,14 @@ def fa_splits_max(max_context: int) -> int:
     return -(-max_context // FA_KV_SPLIT) + 1
 
 
+def rope_counts(spec: ModelSpec) -> tuple[int, int]:
+    """The rope_count buffer's int32 counts (templates/gemv_ring.cu.j2 rope_tail): each qkv head's tiles counted in as
+    they are stored, then (--attn-head-ready) each kv head's q, key and value heads, the decode attention's wait
+    (templates/attn_decode.cu.j2 attn_decode_ready_*): (where the kv heads' counts start, all of them)."""
+    heads = spec.n_heads + 2 * spec.n_kv_heads
+    return heads, heads + spec.n_kv_heads
+
+
 def aligned(n: int) -> int:
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
@@ -200,9 +208,7 @@ def arena_entries(spec: ModelSpec, formats: dict[str, str], rows: int, logit_row
     # sum of squares of the new x, a row of them for each of up to 8 batch rows (GR_NB)
     n = 8 * (spec.hidden // 16)
     out.append(("norm_part", "scratch", "f32", (n,), n * 4, None))
-    # the qkv GEMV's rope tail (templates/gemv_ring.cu.j2 rope_tail): each head's tiles counted in as they are stored,
-    # then each kv head's q, key and value heads (--attn-head-ready: the decode attention's wait, attn_decode.cu.j2)
-    n = spec.n_heads + 3 * spec.n_kv_heads
+    n = rope_counts(spec)[1]
     out.append(("rope_count", "scratch", "i32", (n,), n * 4, None))
     if pair_bar:    # --gemv-pair: the grid barrier of the launches doing two GEMVs (templates/gemv_ring_pair.cu.j2)
         out.append(("pair_bar", "scratch", "i32", (1,), 4, None))

@@ -182,11 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ commands
 
 
-def cmd_compile(a) -> int:
+def program_options(a):
+    """The launch program's options from the compile flags (each field's flag of its name); a combination the
+    options refuse (impc/launches.py ProgramOptions) as a compile error, not a traceback."""
     import dataclasses
 
-    from impc.compile import CompileOptions, compile_model
+    from impc.errors import CompileError
     from impc.launches import ProgramOptions
+    try:
+        return ProgramOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ProgramOptions)})
+    except ValueError as e:
+        raise CompileError(str(e)) from None
+
+
+def cmd_compile(a) -> int:
+    from impc.compile import CompileOptions, compile_model
     from impc.progress import Progress
 
     if (a.model is None) == (a.synthetic is None):
@@ -194,18 +204,13 @@ def cmd_compile(a) -> int:
         raise CompileError("give either MODEL or --synthetic CONFIG.json")
     if a.gemv_pair_only:
         a.gemv_pair = True
-    if a.attn_head_ready and a.gemv_pair:
-        from impc.errors import CompileError
-        raise CompileError("--attn-head-ready does not go with --gemv-pair (the pair launch's rope tail counts no kv "
-                           "heads for the attention to wait on); pick one")
     opts = CompileOptions(model=a.model or a.synthetic, out=a.output, quant=a.quant, quant_embed=a.quant_embed,
                           quant_head=a.quant_head, head_format=a.head_format or "auto", scale_search=a.scale_search,
                           calibrate=a.calibrate, calib=a.calib, budget=a.budget, targets=a.target, vram_gib=a.vram,
                           max_context=a.max_context, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
                           name=a.name, prefill_weights=a.prefill_weights,
                           # the launch program's options: each ProgramOptions field from the flag of its name
-                          program=ProgramOptions(**{f.name: getattr(a, f.name)
-                                                    for f in dataclasses.fields(ProgramOptions)}))
+                          program=program_options(a))
     if a.synthetic:
         from impc.synthetic import compile_synthetic
         compile_synthetic(a.synthetic, opts, seed=a.seed, progress=Progress(quiet=a.quiet))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from imp_runtime.nvfp4 import BLOCK
 from imp_runtime.program import Launch, evaluate
 from imp_runtime.spec import ModelSpec
+from impc.arena_layout import rope_counts
 
 # Kernels that begin with pdl_wait() (templates/prelude.cuh.j2), so the decode graphs may launch them with
 # programmatic dependent launch: each starts while its predecessor drains, its weight loads issued early.
@@ -452,8 +453,7 @@ class LinearLaunches:
                 i, inputs = rope
                 s = self.spec
                 rope_args = [*inputs, ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), ptr("rope_count")]
-                heads = s.n_heads + 2 * s.n_kv_heads
-                counts = (heads + (s.n_kv_heads if ready else 0)) * 4
+                counts = rope_counts(s)[1 if ready else 0] * 4
                 reads += [("positions", m * 4), ("kv_slots", m * 4), ("rope_count", counts)]
                 writes += [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2),
                            ("rope_count", counts)]

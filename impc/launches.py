@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from impc.arena_layout import (FA_KV_SPLIT, FA_TILE_INTS, HOST_IO_WORDS, MAX_SEGMENTS, STEP_PACK_SKIP, WG_SMALL_CHUNK,
-                               aligned, arena_entries, attn_partial_row, max_tiles, rope_variants, rows_for, wgmma_weights)
+                               aligned, arena_entries, attn_partial_row, max_tiles, rope_counts, rope_variants, rows_for,
+                               wgmma_weights)
 from impc.errors import CompileError
 from impc.launch_linear import (WG_MID_CHUNK, WQ_NB, LinearLaunches, _Emitter, _Lin, ev, i32, pair_gated_shape,
                                  pair_shape, ptr, rows_div, wq_shape)
@@ -78,7 +79,8 @@ class ProgramOptions:
             raise ValueError("gemv_pair_only needs gemv_pair")
         if self.attn_head_ready and self.gemv_pair:
             # (the pair launch's rope tail counts no kv heads, nor would its unfused fallback's attention wait on them)
-            raise ValueError("attn_head_ready and gemv_pair do not go together")
+            raise ValueError("attn_head_ready (--attn-head-ready) and gemv_pair (--gemv-pair) do not go together: "
+                             "the pair launch's rope tail counts no kv heads for the attention to wait on")
 
     def pair(self, kind: str) -> bool:
         """Whether the program fuses pair kind ("o-gate-up": o and gate_up, "down-qkv": down and the next layer's qkv)
@@ -192,7 +194,6 @@ class ProgramBuilder(LinearLaunches):
         options = resolve_options(spec, options)
         self.spec, self.formats, self.target, self.plan, self.opt = spec, formats, target, plan, options
         self.gemv_rows = options.gemv_max_rows
-        self.head_ready = False          # (layers: the current layer's attention waits for the kv heads' counts)
         self.seed = synthetic_seed
         t = plan["targets"][target["name"]]
         self.page, self.chunk, self.kv_pages = t["page_size"], t["prefill_chunk"], t["kv_pages"]
@@ -275,7 +276,8 @@ class ProgramBuilder(LinearLaunches):
 
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool,
                rope_in_attention: bool = False) -> None:
-        """Every layer over `rows` rows of x; attention(e, i, ofmt) fills attn from q (rope_in_attention: from the
+        """Every layer over `rows` rows of x; attention(e, i, window, ofmt, ready) fills attn from q (ready: the qkv
+        launch counted each kv head in, --attn-head-ready; rope_in_attention: from the
         qkv rows, the q/k norm, RoPE and the KV append its own, without the qkv_rope launch)."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
@@ -286,7 +288,7 @@ class ProgramBuilder(LinearLaunches):
         for i in range(s.n_layers):
             p = f"layers.{i}."
             qkv, o, gate_up, down = (self.lin(p + n) for n in ("qkv", "o", "gate_up", "down"))
-            self.head_ready = False      # this layer's attention waits for the kv heads' counts (set below)
+            head_ready = False           # this layer's attention waits for the kv heads' counts (set below)
             fused = self.qkv_epilogue_ok(qkv, dec)     # q / k norm, RoPE and the KV append in the qkv GEMM
             if paired:
                 fused, paired = True, False
@@ -302,14 +304,14 @@ class ProgramBuilder(LinearLaunches):
                     # head's q, key and value in for the attention after it (attn_decode ready)
                     fused = self.linear(e, "hb", qkv, "qkv", rows, 0, dec, split_k, nb, scaled=scaled,
                                         rope=None if rope_in_attention else (i, self.rope_inputs(i)))
-                    self.head_ready = fused and self.opt.attn_head_ready
+                    head_ready = fused and self.opt.attn_head_ready
             if not rope_in_attention and not fused:
                 e.add("qkv_rope_cache_f16", (rows, -(-(s.n_heads + 2 * s.n_kv_heads) // 4)), (128,),
                       [ptr("qkv"), *self.rope_inputs(i), ptr("q"), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v")],
                       [("qkv", m * qkv.n * 4), ("positions", m * 4), ("kv_slots", m * 4)],
                       [("q", m * s.q_dim * 2), (f"kv.{i}.k", m * s.kv_dim * 2), (f"kv.{i}.v", m * s.kv_dim * 2)])
             window = s.sliding_window if s.kind(i) == "sliding" else 0
-            attention(e, i, window, fmt(o))
+            attention(e, i, window, fmt(o), head_ready)
             gpaired = False          # o's launch did gate_up too (pair_gated_ok)
 
             def o_gemv():
@@ -425,15 +427,11 @@ class ProgramBuilder(LinearLaunches):
         # (32 rows: -15% attention at context 640; 8 rows, five blocks: +9%)
         ring3 = splits <= 2 and isinstance(rows, int) and self.ad["smem3"] is not None
         kernel, smem = ("attn_decode_f16_r3", self.ad["smem3"]) if ring3 else ("attn_decode_f16", self.ad["smem2"])
-        heads = s.n_heads + 2 * s.n_kv_heads
         assert not (ready and (rope or rows != 1)), "the kv heads' ready counts are one row's, from qkv's rope tail"
         common = [ptr("block_tables"), ptr("seq_slot"), ptr("seq_len"), ptr("partial"), ptr("attn_counts"), ptr("attn"),
                   i32(window), i32(self.max_pages), i32(ofmt)]
         reads = [("seq_slot", b * 4), ("seq_len", b * 4), ("partial", part), ("attn_counts", counts)]
         writes = [("partial", part), ("attn_counts", counts), ("attn", b * s.q_dim * (4 if planes else 2))]
-        if ready:
-            reads.append(("rope_count", (heads + s.n_kv_heads) * 4))
-            writes.append(("rope_count", (heads + s.n_kv_heads) * 4))
         if rope:
             kernel, smem = kernel.replace("attn_decode_", "attn_decode_rope_"), smem + self.ad["q_smem"]
             args = [ptr("qkv"), *self.rope_inputs(i), ptr(f"kv.{i}.k"), ptr(f"kv.{i}.v"), *common]
@@ -444,7 +442,10 @@ class ProgramBuilder(LinearLaunches):
             reads += [("q", b * s.q_dim * 2)]
         if ready:       # attn_decode_ready_*: the kv heads' counts after the heads' tile counts
             kernel = kernel.replace("attn_decode_", "attn_decode_ready_")
-            args.append(ptr("rope_count", heads * 4))
+            start, end = rope_counts(s)
+            args.append(ptr("rope_count", start * 4))
+            reads.append(("rope_count", end * 4))
+            writes.append(("rope_count", end * 4))
             self.kernel_smem[kernel] = smem      # (only where launched: a shape whose qkv takes no rope tail has none)
         e.add(kernel, (rows, s.n_kv_heads, splits), (128,), args, reads, writes, smem=smem)
 
@@ -485,8 +486,8 @@ class ProgramBuilder(LinearLaunches):
 
         rope = self.opt.rope_in_attention
 
-        def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
-            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec, rope=rope, ready=self.head_ready)
+        def attention(e: _Emitter, i: int, window: int, ofmt: int, ready: bool) -> None:
+            self.attn_decode(e, i, window, ofmt, b, splits, planes=dec, rope=rope, ready=ready)
             # the o projection after it without programmatic dependent launch where it runs the GEMV: with it, its
             # GEMV blocks (two an SM, up to half the register file each) sit waiting beside the attention's last,
             # merging blocks, and batches 8-16 ran 7-10% slower; without it batches 1-16 gain 1.6-3.5% on the
@@ -547,7 +548,8 @@ class ProgramBuilder(LinearLaunches):
         z = {"sym": "start", "ceil_div": FA_KV_SPLIT, "add": 1} if split else 1
         part = self.buffers["fa_partial"].bytes if split else 0
 
-        def attention(e: _Emitter, i: int, window: int, ofmt: int) -> None:
+        def attention(e: _Emitter, i: int, window: int, ofmt: int, ready: bool) -> None:
+            assert not ready, "prefill phases take no qkv rope tail"
             self.attn_decode(e, i, window, ofmt, {"sym": "dec"}, dec_splits, planes=False)
             if many:
                 grid, args = (s.n_heads, {"sym": "qtiles"}, 1), [
