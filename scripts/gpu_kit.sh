@@ -32,6 +32,17 @@ MODE=${1:?$USAGE}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=$ROOT/build/kit
 BENCH="T:qwen3-8b:40 S:smollm2-135m:8 L:llama-3.1-8b:40"   # the bench shapes: name:examples config:--vram
+# compile_shapes DIR DEST SHAPES [FLAGS...]: each name:config:vram[:flag] of SHAPES compiled by the tree at DIR (its
+# impc: python -m puts the working directory first) into DEST/name, with FLAGS (impc compile flags) after its own
+compile_shapes() {
+  local dir=$1 dest=$2 shapes=$3 b name cfg vram flag
+  shift 3
+  for b in $shapes; do
+    IFS=: read -r name cfg vram flag <<< "$b"
+    (cd "$dir" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$dest/$name" \
+      --target sm_90a --vram "$vram" -q ${flag:+"$flag"} "$@") || return 1
+  done
+}
 case $MODE in
   build)
     ARCHIVE=${2:?$USAGE}
@@ -43,24 +54,14 @@ case $MODE in
       case $part in
         suite) IMP_GPU_BUNDLES="$KIT/tb" "$PY" "$ROOT/scripts/build_gpu_bundles.py" || exit 1;;   # (all of them)
         pair) PYTHON=$PY bash "$ROOT/scripts/pair_check.sh" build "$KIT/pc" || exit 1;;
-        bench)
-          for b in $BENCH LP:llama-3.1-8b:40:--gemv-pair; do
-            IFS=: read -r name cfg vram flag <<< "$b"
-            out="$KIT/bench/$name"
-            "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$out" \
-              --target sm_90a --vram "$vram" ${flag:+"$flag"} -q || exit 1
-          done;;
+        bench) compile_shapes "$ROOT" "$KIT/bench" "$BENCH LP:llama-3.1-8b:40:--gemv-pair" || exit 1;;
         cutlass) PYTHON=$PY bash "$ROOT/scripts/cutlass_check.sh" build "$KIT/cc" || exit 1;;
         flags:*)
           IFS=: read -r _ dest flags <<< "$part"
           [[ -n $dest && -n $flags ]] || { echo "flags:NAME:FLAGS needs a name and flags ($part)" >&2; exit 2; }
           case $dest in tb|pc|bench|base|cc|*/*) echo "flags:$dest: a name the kit uses already" >&2; exit 2;; esac
           IFS=, read -r -a extra <<< "$flags"
-          for b in $BENCH; do
-            IFS=: read -r name cfg vram <<< "$b"
-            "$PY" -m impc.cli compile --synthetic "$ROOT/examples/$cfg.json" -o "$KIT/$dest/$name" \
-              --target sm_90a --vram "$vram" -q "${extra[@]}" || exit 1
-          done
+          compile_shapes "$ROOT" "$KIT/$dest" "$BENCH" "${extra[@]}" || exit 1
           { git -C "$ROOT" rev-parse HEAD; echo "flags: ${extra[*]}"; } > "$KIT/$dest/COMMIT";;
         base:*|patch:*)
           if [[ $part == base:* ]]; then commit=${part#base:} dest=base patch=
@@ -79,11 +80,7 @@ case $MODE in
           # the worktree's own packages: impc from its root (python -m puts the working directory first), and
           # imp_runtime (pyproject maps it to runtime/; the editable install would give this tree's) by a link
           ln -s runtime "$wt/imp_runtime" || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
-          for b in $BENCH; do
-            IFS=: read -r name cfg vram <<< "$b"
-            (cd "$wt" && "$PY" -m impc.cli compile --synthetic "examples/$cfg.json" -o "$KIT/$dest/$name" \
-              --target sm_90a --vram "$vram" -q) || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
-          done
+          compile_shapes "$wt" "$KIT/$dest" "$BENCH" || { git -C "$ROOT" worktree remove --force "$wt"; exit 1; }
           { git -C "$ROOT" rev-parse "$commit"; [[ -z $patch ]] || echo "+ ${patch#"$ROOT"/}"; } > "$KIT/$dest/COMMIT"
           git -C "$ROOT" worktree remove --force "$wt";;
         *) echo "unknown part $part" >&2; echo "$USAGE" >&2; exit 2;;
