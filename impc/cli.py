@@ -114,8 +114,8 @@ def _add_compile(sub) -> None:
     p.add_argument("--attn-head-ready", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper decode at one row with the qkv projection's rope tail (the 8B shape): the decode "
                         "attention's blocks of a kv head start once its q, key and value are stored, instead of "
-                        "waiting for the whole qkv launch (off by default: measured slower at one row, H200 -2.2%%, H100 -1.6%%; not with "
-                        "--gemv-pair)")
+                        "waiting for the whole qkv launch (off by default: measured slower at one row, H200 -2.2%%, "
+                        "H100 -1.6%%; not with --gemv-pair)")
     p.add_argument("--prefill-qkv-epilogue", action=argparse.BooleanOptionalAction, default=False,
                    help="Hopper prefill chunks past 256 rows: q/k norm, RoPE and the paged KV write in the qkv GEMM's "
                         "epilogue instead of a launch after it (heads of 64 or 128; off by default: measured no "
