@@ -277,8 +277,8 @@ class ProgramBuilder(LinearLaunches):
     def layers(self, e: _Emitter, rows, attention, dec: bool, nb: int, split_k: bool,
                rope_in_attention: bool = False) -> None:
         """Every layer over `rows` rows of x; attention(e, i, window, ofmt, ready) fills attn from q (ready: the qkv
-        launch counted each kv head in, --attn-head-ready; rope_in_attention: from the
-        qkv rows, the q/k norm, RoPE and the KV append its own, without the qkv_rope launch)."""
+        launch counted each kv head in, --attn-head-ready; rope_in_attention: from the qkv rows, the q/k norm, RoPE
+        and the KV append its own, without the qkv_rope launch)."""
         s, m = self.spec, ev(rows, self.rows_max, self.MB)
         def fmt(lin: _Lin) -> int:        # the activation format lin's kernel reads
             return XF_F16W if self.wq_ok(lin) else xfmt(lin.fmt) if dec else gfmt(lin.fmt)
